@@ -1,0 +1,157 @@
+"""The engine contract: what every engine family implements and what the pool drives.
+
+An engine serves *streams*: one stream per utterance. Text reaches a stream in units (the session's segmenter
+decides when a unit is ready, or, for engines that take streaming text, as it arrives). The pool calls
+:meth:`Engine.step` from a scheduler thread with a batch of runnable streams; each call advances every stream in the
+batch by one bounded piece of work and returns what it produced. Engines never see sessions, transports or wire
+formats.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+StopReason = Literal["completed", "cancelled", "max_duration", "silence", "error"]
+
+
+class VoiceInfo(msgspec.Struct, frozen=True):
+    """A voice an engine serves."""
+
+    id: str
+    name: str
+    language: str = "en"
+    description: str = ""
+
+
+class EngineCapabilities(msgspec.Struct, frozen=True):
+    """What an engine can honour; the gateway refuses requests for anything else."""
+
+    streaming_text_input: bool = False
+    duplex: bool = False
+    speed: bool = False
+    instructions: bool = False
+    reference_audio: bool = False
+    languages: tuple[str, ...] = ("en",)
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """Static facts about a loaded engine."""
+
+    family: str
+    model: str
+    sample_rate: int
+    voices: tuple[VoiceInfo, ...]
+    default_voice: str
+    capabilities: EngineCapabilities
+    max_sessions: int
+    max_batch: int = 1
+    workers: int = 1
+    channels: int = 1
+    synthetic: bool = False
+
+    def voice_ids(self) -> frozenset[str]:
+        return frozenset(v.id for v in self.voices)
+
+
+class SynthesisParams(msgspec.Struct, frozen=True):
+    """Per-utterance parameters, validated by the session before they reach an engine."""
+
+    voice: str
+    speed: float = 1.0
+    language: str | None = None
+    instructions: str | None = None
+    max_audio_ms: int = 120_000
+
+
+class SegmentStarted(msgspec.Struct, frozen=True, tag="segment.started"):
+    """The engine began producing audio for one text unit (a sentence for per-sentence engines)."""
+
+    index: int
+    text: str
+
+
+class AudioChunk(msgspec.Struct, frozen=True, tag="audio"):
+    """Mono signed 16-bit little-endian PCM at ``sample_rate``."""
+
+    segment_index: int
+    pcm: bytes
+    sample_rate: int
+
+    @property
+    def duration_ms(self) -> float:
+        return len(self.pcm) / 2 * 1000.0 / self.sample_rate
+
+
+class SegmentDone(msgspec.Struct, frozen=True, tag="segment.done"):
+    """All audio of one unit has been produced."""
+
+    index: int
+    reason: StopReason = "completed"
+    error: str | None = None
+
+
+class StreamDone(msgspec.Struct, frozen=True, tag="stream.done"):
+    """The stream produced its last output. Exactly one per stream, and always the last output."""
+
+    reason: StopReason = "completed"
+    error: str | None = None
+
+
+EngineOutput = SegmentStarted | AudioChunk | SegmentDone | StreamDone
+
+
+class EngineStream(abc.ABC):
+    """Engine-owned state of one utterance. The pool feeds it under its lock and steps it on a worker thread.
+
+    ``pending_text`` holds units not yet consumed by the engine; ``input_done`` says no more text will come.
+    """
+
+    def __init__(self, params: SynthesisParams) -> None:
+        self.params = params
+        self.pending_text: list[str] = []
+        self.input_done = False
+        self.audio_ms = 0.0
+
+    @property
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """True when a step would make progress (pending text, buffered audio, or end of input to report)."""
+
+
+class Engine(abc.ABC):
+    """An engine family instance with loaded weights, shared by all its streams."""
+
+    info: EngineInfo
+
+    @abc.abstractmethod
+    def open(self, params: SynthesisParams) -> EngineStream:
+        """Create the state for one utterance. Cheap; called on the event loop thread."""
+
+    @abc.abstractmethod
+    def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
+        """Advance each stream by one piece of work on a scheduler thread.
+
+        ``budget_ms[i]`` is the media time stream ``i`` may still emit (its credit). Returns one list of outputs
+        per stream, in order. An engine must not emit more audio than the budget allows, except a final chunk
+        that ends a segment may round up to one engine frame.
+        """
+
+    @abc.abstractmethod
+    def close(self, stream: EngineStream) -> None:
+        """Release everything the stream holds (slot, caches). Idempotent; called on completion and abort."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's own resources."""
+
+
+class EngineError(Exception):
+    """A typed engine failure that fails only the affected streams."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,42 @@
+"""Engine families by name: ``omnigate serve --engine NAME --model SPEC`` resolves here.
+
+Each loader imports its family lazily, so the gateway starts without torch unless a model engine is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omnigate.engines.base import Engine
+
+EngineLoader = Callable[..., Engine]
+
+
+def _load_piper(model: str | None, **options: Any) -> Engine:
+    from omnigate.engines.piper import PiperEngine
+
+    return PiperEngine.load(model, **options)
+
+
+def _load_synthetic(model: str | None, **options: Any) -> Engine:
+    from omnigate.engines.synthetic import SyntheticEngine
+
+    return SyntheticEngine.from_spec(model, **options)
+
+
+LOADERS: dict[str, EngineLoader] = {
+    "piper": _load_piper,
+    "synthetic": _load_synthetic,
+}
+
+DEFAULT_ENGINE = "piper"
+
+
+def load_engine(family: str, model: str | None = None, **options: Any) -> Engine:
+    """Load an engine family; ``model`` is a path, a package voice name, or ``preset:NAME``."""
+    try:
+        loader = LOADERS[family]
+    except KeyError:
+        raise ValueError(f"unknown engine {family!r}; choose one of {', '.join(sorted(LOADERS))}") from None
+    return loader(model, **options)
