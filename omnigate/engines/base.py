@@ -52,6 +52,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     workers: int = 1
     channels: int = 1
     synthetic: bool = False
+    # The least credit with which a step surely makes progress (a talker: one codec frame).
+    min_credit_ms: float = 20.0
 
     def voice_ids(self) -> frozenset[str]:
         return frozenset(v.id for v in self.voices)
@@ -149,9 +151,42 @@ class Engine(abc.ABC):
 
 
 class EngineError(Exception):
-    """A typed engine failure that fails only the affected streams."""
+    """A typed engine failure that fails only the affected streams; ``param`` names the offending parameter."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
+
+
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+
+
+def validate_params(info: EngineInfo, params: SynthesisParams) -> None:
+    """Refuse what the engine cannot honour instead of ignoring it. Raises :class:`EngineError`.
+
+    The session calls this before any engine work, and engines call it again in ``open`` as their own guard.
+    """
+    caps = info.capabilities
+    if params.voice not in info.voice_ids():
+        available = ", ".join(sorted(info.voice_ids()))
+        raise EngineError("unknown_voice", f"voice {params.voice!r} is not served; available: {available}", "voice")
+    if not MIN_SPEED <= params.speed <= MAX_SPEED:
+        raise EngineError("invalid_speed", f"speed must be within {MIN_SPEED}..{MAX_SPEED}", "speed")
+    if params.speed != 1.0 and not caps.speed:
+        raise EngineError("unsupported", f"the {info.family} engine cannot change speed", "speed")
+    if params.max_audio_ms <= 0:
+        raise EngineError("invalid_value", "max_audio_ms must be positive", "max_audio_ms")
+    if params.instructions and not caps.instructions:
+        raise EngineError("unsupported", f"the {info.family} engine takes no instructions", "instructions")
+    if params.language is not None:
+        tag = params.language.replace("_", "-").lower()
+        supported = {lang.lower() for lang in caps.languages}
+        if tag not in supported and tag.partition("-")[0] not in supported:
+            raise EngineError(
+                "unsupported_language",
+                f"language {params.language!r} is not served; available: {', '.join(caps.languages)}",
+                "language",
+            )

@@ -5,7 +5,8 @@ The event loop talks to the pool through thread-safe, non-blocking calls (``open
 ``loop.call_soon_threadsafe``. No polling: workers sleep on a condition that every state change notifies.
 
 Credit: a stream may emit only as much media time as its consumer has room for. The session grants credit as its
-transport drains; a stream without credit is not runnable, so a stalled client costs no engine time.
+transport drains; a stream with less credit than the engine's smallest emit (``EngineInfo.min_credit_ms``) is not
+runnable, so a stalled client costs no engine time.
 
 Deadlines: a stream's deadline is when its client would run out of audio: ``opened + ttfa_target`` before the first
 chunk, ``first_chunk + produced`` after it. Each step serves the earliest deadlines first up to the batch size, so
@@ -15,6 +16,7 @@ under contention the engine generates just in time and with spare capacity every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -60,6 +62,7 @@ class PoolStream:
     opened_at: float
     ttfa_target_s: float
     credit_ms: float
+    min_credit_ms: float = 20.0
     first_chunk_at: float | None = None
     produced_ms: float = 0.0
     busy: bool = False
@@ -78,7 +81,7 @@ class PoolStream:
             not self.busy
             and not self.aborted
             and not self.finished
-            and self.credit_ms > 0.0
+            and self.credit_ms >= self.min_credit_ms
             and self.stream.has_work
         )
 
@@ -160,6 +163,7 @@ class EnginePool:
                 opened_at=time.monotonic(),
                 ttfa_target_s=self._ttfa_target_s,
                 credit_ms=initial_credit_ms,
+                min_credit_ms=self.info.min_credit_ms,
             )
             self._streams[ps.id] = ps
             self._cond.notify()
@@ -264,5 +268,12 @@ class EnginePool:
                 if ps.finished:
                     self._close_locked(ps)
                 if out:
-                    ps.loop.call_soon_threadsafe(ps.sink, out)
+                    # A closed loop has nobody left to receive the outputs.
+                    with contextlib.suppress(RuntimeError):
+                        ps.loop.call_soon_threadsafe(self._deliver, ps, out)
             self._cond.notify_all()
+
+    def _deliver(self, ps: PoolStream, outputs: list[EngineOutput]) -> None:
+        # Runs on the loop, where abort() runs too: nothing reaches a sink after its stream was aborted.
+        if not ps.aborted:
+            ps.sink(outputs)

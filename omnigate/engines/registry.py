@@ -25,9 +25,16 @@ def _load_synthetic(model: str | None, **options: Any) -> Engine:
     return SyntheticEngine.from_spec(model, **options)
 
 
+def _load_talker(model: str | None, **options: Any) -> Engine:
+    from omnigate.engines.talker.engine import TalkerEngine
+
+    return TalkerEngine.load(model, **options)
+
+
 LOADERS: dict[str, EngineLoader] = {
     "piper": _load_piper,
     "synthetic": _load_synthetic,
+    "talker": _load_talker,
 }
 
 DEFAULT_ENGINE = "piper"

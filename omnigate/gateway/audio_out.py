@@ -1,0 +1,35 @@
+"""Encoding a session's PCM into the client's format, off the event loop when it costs real CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+from omnigate.codecs.encoder import AudioEncoder
+
+
+class AudioOut:
+    """One encoder for one audio stream (a sentence on the speech stream, a whole response over HTTP)."""
+
+    def __init__(self, fmt: str, input_rate: int, output_rate: int | None = None) -> None:
+        self.encoder = AudioEncoder(fmt, input_rate, output_rate)
+        self.bytes_out = 0
+
+    @property
+    def output_rate(self) -> int:
+        return self.encoder.output_rate
+
+    async def encode(self, pcm: bytes) -> bytes:
+        if self.encoder.costly:
+            data = await asyncio.to_thread(self.encoder.encode, pcm)
+        else:
+            data = self.encoder.encode(pcm)
+        self.bytes_out += len(data)
+        return data
+
+    async def finish(self) -> bytes:
+        if self.encoder.costly:
+            data = await asyncio.to_thread(self.encoder.flush)
+        else:
+            data = self.encoder.flush()
+        self.bytes_out += len(data)
+        return data

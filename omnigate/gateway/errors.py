@@ -1,0 +1,71 @@
+"""Error shapes each protocol's clients parse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+    500: "server_error",
+}
+
+
+class HttpError(Exception):
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": HTTP_ERROR_TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        return Response(msgspec.json.encode(body), self.status, headers, media_type="application/json")
+
+
+def describe_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> tuple[str, str | None]:
+    """A client-facing message and the offending field (``$.voice`` -> ``voice``) of a msgspec error."""
+    message = str(exc)
+    param: str | None = None
+    if " - at `$." in message:
+        message, _, path = message.partition(" - at `$.")
+        param = path.rstrip("`").split("[")[0].split(".")[0] or None
+    elif "unknown field `" in message or "missing required field `" in message:
+        param = message.split("`")[1]
+    return message, param
+
+
+def json_error(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """The speech-stream protocol's error event: top-level ``message`` and ``code``."""
+    return {"type": "error", "code": code, "message": message, **extra}

@@ -1,0 +1,85 @@
+"""Plain HTTP routes: liveness, readiness, models, voices, metrics."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omnigate.gateway.metrics import CONTENT_TYPE, Metrics
+from omnigate.gateway.state import Gateway
+
+_STARTED = int(time.time())
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def health(request: Request) -> Response:
+    """Liveness: the process serves HTTP."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: the engine is loaded, the process admits sessions, and how many more it can take."""
+    gw = _gateway(request)
+    if gw.pool is None:
+        body = {"status": "loading" if gw.load_error is None else "failed", "error": gw.load_error}
+        return JSONResponse(body, status_code=503)
+    if gw.registry.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    info = gw.pool.info
+    return JSONResponse(
+        {
+            "status": "ready",
+            "engine": info.family,
+            "model": info.model,
+            "sessions_active": gw.registry.total_active,
+            "sessions_max": gw.registry.max_sessions,
+            "engine_free_slots": gw.pool.free_slots,
+        }
+    )
+
+
+async def models(request: Request) -> Response:
+    """OpenAI's model list shape."""
+    gw = _gateway(request)
+    data = []
+    if gw.pool is not None:
+        info = gw.pool.info
+        data.append(
+            {
+                "id": info.model,
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": "omnigate",
+                "engine": info.family,
+                "sample_rate": info.sample_rate,
+                "synthetic": info.synthetic,
+            }
+        )
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def voices(request: Request) -> Response:
+    gw = _gateway(request)
+    if gw.pool is None:
+        return JSONResponse({"voices": [], "default": None})
+    info = gw.pool.info
+    return JSONResponse(
+        {
+            "voices": [
+                {"id": v.id, "name": v.name, "language": v.language, "description": v.description} for v in info.voices
+            ],
+            "default": info.default_voice,
+            "uploaded_voices": [],
+        }
+    )
+
+
+async def metrics(request: Request) -> Response:
+    m: Metrics = request.app.state.metrics
+    return Response(m.render(), media_type=CONTENT_TYPE)

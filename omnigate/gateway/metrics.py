@@ -1,0 +1,91 @@
+"""Prometheus metrics: read from the live pool and registry at scrape time, plus histograms the routes feed.
+
+Labels are bounded (transport, reason, engine family); no session ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from omnigate.gateway.state import Gateway
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _GatewayCollector(Collector):
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        gw = self._gateway
+        reg = gw.registry
+        active = GaugeMetricFamily("omnigate_sessions_active", "Live sessions", labels=["transport"])
+        for transport in ("ws-speech", "http-speech", "webrtc", "realtime"):
+            active.add_metric([transport], reg.active.get(transport, 0))
+        yield active
+        admitted = CounterMetricFamily("omnigate_sessions_admitted", "Sessions admitted", labels=["transport"])
+        for transport, n in reg.admitted_total.items():
+            admitted.add_metric([transport], n)
+        yield admitted
+        refused = CounterMetricFamily("omnigate_sessions_refused", "Sessions refused", labels=["reason"])
+        for reason, n in reg.refused_total.items():
+            refused.add_metric([reason], n)
+        yield refused
+        pool = gw.pool
+        if pool is None:
+            return
+        family = pool.info.family
+        yield GaugeMetricFamily("omnigate_engine_streams_active", "Engine streams open", value=pool.active, labels=None)
+        yield GaugeMetricFamily("omnigate_engine_free_slots", "Engine slots free", value=pool.free_slots)
+        yield GaugeMetricFamily(
+            "omnigate_engine_queue_depth",
+            "Engine streams runnable and waiting for a worker",
+            value=pool.queue_depth,
+        )
+        yield GaugeMetricFamily("omnigate_engine_last_batch_size", "Size of the last engine step", pool.last_batch_size)
+        steps = CounterMetricFamily("omnigate_engine_steps", "Engine steps", labels=["engine"])
+        steps.add_metric([family], pool.steps)
+        yield steps
+        step_s = CounterMetricFamily("omnigate_engine_step_seconds", "Time spent in engine steps", labels=["engine"])
+        step_s.add_metric([family], pool.step_seconds_total)
+        yield step_s
+        gen = CounterMetricFamily(
+            "omnigate_engine_generated_audio_seconds", "Audio produced by the engine", labels=["engine"]
+        )
+        gen.add_metric([family], pool.generated_ms_total / 1000.0)
+        yield gen
+        aborted = CounterMetricFamily("omnigate_engine_aborted", "Engine streams aborted", labels=["engine"])
+        aborted.add_metric([family], pool.aborted_total)
+        yield aborted
+        failed = CounterMetricFamily("omnigate_engine_failed", "Engine streams failed", labels=["engine"])
+        failed.add_metric([family], pool.failed_total)
+        yield failed
+
+
+class Metrics:
+    """One registry per gateway (so several apps can live in one process, as tests do)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_GatewayCollector(gateway))
+        self.ttfa = Histogram(
+            "omnigate_ttfa_seconds",
+            "Server-side time from a unit reaching the engine to its first audio leaving the session",
+            ["transport"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
+            registry=self.registry,
+        )
+        self.outbox_lag = Histogram(
+            "omnigate_outbox_media_seconds",
+            "Generated audio waiting in a session outbox when a chunk is sent",
+            ["transport"],
+            buckets=(0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0),
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,195 @@
+"""``POST /v1/audio/speech``: OpenAI's TTS API, streamed with chunked transfer (or SSE with ``stream_format=sse``)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import msgspec
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from omnigate.codecs.formats import UnsupportedFormat, get_format
+from omnigate.gateway.audio_out import AudioOut
+from omnigate.gateway.errors import HttpError, describe_validation_error
+from omnigate.gateway.metrics import Metrics
+from omnigate.gateway.state import Gateway
+from omnigate.gateway.voices import resolve_voice
+from omnigate.sessions.driver import SessionDriver
+from omnigate.sessions.messages import (
+    AppendText,
+    Configure,
+    ErrorEvent,
+    Flush,
+    MediaChunk,
+    SessionClosed,
+    SessionConfig,
+    UtteranceDone,
+)
+from omnigate.sessions.registry import SessionLimitReached
+from omnigate.sessions.segmenter import SegmenterConfig
+from omnigate.sessions.speech import ConfigError, synthesis_params
+
+log = logging.getLogger(__name__)
+
+TRANSPORT = "http-speech"
+# OpenAI's TTS output is 24 kHz for every format (Opus is carried at 48 kHz).
+OPENAI_SAMPLE_RATE = 24_000
+
+
+class SpeechRequest(msgspec.Struct, kw_only=True):
+    """The OpenAI ``audio.speech.create`` body. Unknown fields are ignored, as OpenAI-compatible clients expect."""
+
+    model: str
+    input: str
+    voice: str
+    response_format: str = "mp3"
+    speed: float = 1.0
+    instructions: str | None = None
+    stream_format: Literal["audio", "sse"] = "audio"
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HttpError(413, f"request body over {limit} bytes", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"request body over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(body: bytes, gateway: Gateway) -> tuple[SpeechRequest, SessionConfig]:
+    try:
+        req = msgspec.json.decode(body, type=SpeechRequest)
+    except msgspec.ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise HttpError(400, message, code="invalid_request", param=param) from None
+    except msgspec.DecodeError:
+        raise HttpError(400, "request body is not valid JSON", code="invalid_json") from None
+    assert gateway.pool is not None
+    info = gateway.pool.info
+    if req.model not in gateway.served_models():
+        raise HttpError(404, f"model {req.model!r} is not served", code="model_not_found", param="model")
+    if not req.input.strip():
+        raise HttpError(400, "input must not be empty", code="invalid_value", param="input")
+    if len(req.input) > gateway.settings.max_input_chars:
+        raise HttpError(
+            400,
+            f"input is longer than {gateway.settings.max_input_chars} characters",
+            code="string_above_max_length",
+            param="input",
+        )
+    try:
+        get_format(req.response_format)
+    except UnsupportedFormat as exc:
+        raise HttpError(400, str(exc), code="unsupported_format", param="response_format") from None
+    config = SessionConfig(
+        voice=resolve_voice(info, req.voice),
+        speed=req.speed,
+        instructions=req.instructions,
+        max_audio_ms=int(gateway.settings.max_utterance_audio_s * 1000),
+        segmenter=SegmenterConfig(max_chars=gateway.settings.segment_max_chars),
+    )
+    try:
+        synthesis_params(info, config)
+    except ConfigError as exc:
+        raise HttpError(400, exc.message, code=exc.code, param=exc.param) from None
+    return req, config
+
+
+async def speech_endpoint(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    metrics: Metrics = request.app.state.metrics
+    try:
+        if gateway.pool is None:
+            raise HttpError(503, "the engine is not loaded yet", code="not_ready", retry_after_s=1.0)
+        try:
+            body = await _read_body(request, gateway.settings.http_max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        req, config = _parse(body, gateway)
+        try:
+            lease = gateway.registry.acquire(TRANSPORT)
+        except SessionLimitReached as exc:
+            raise HttpError(503, str(exc), code="server_busy", retry_after_s=exc.retry_after_s) from None
+    except HttpError as exc:
+        return exc.response()
+
+    driver = SessionDriver(
+        gateway.pool,
+        gateway.limits(gateway.settings.http_outbox_ms),
+        on_first_audio=lambda ms: metrics.ttfa.labels(TRANSPORT).observe(ms / 1000.0),
+    )
+    lease.driver = driver
+    driver.submit(Configure(config))
+    driver.submit(AppendText(req.input))
+    driver.submit(Flush())
+    fmt = get_format(req.response_format)
+    out = AudioOut(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
+
+    # The first event decides the status: a refusal before any audio is still an HTTP error.
+    def cleanup() -> None:
+        driver.release()
+        lease.release()
+
+    first = await driver.next_event()
+    if isinstance(first, ErrorEvent):
+        cleanup()
+        status = 503 if first.code in ("engine_busy", "shutting_down") else 400
+        return HttpError(
+            status, first.message, code=first.code, retry_after_s=1.0 if status == 503 else None
+        ).response()
+
+    async def audio_bytes() -> AsyncIterator[bytes]:
+        event: object = first
+        try:
+            while True:
+                if isinstance(event, MediaChunk):
+                    data = await out.encode(event.pcm)
+                    if data:
+                        yield data
+                elif isinstance(event, UtteranceDone):
+                    tail = await out.finish()
+                    if tail:
+                        yield tail
+                    if event.status == "error":
+                        log.warning("speech request ended with an engine error after audio began")
+                    return
+                elif isinstance(event, SessionClosed):
+                    return
+                event = await driver.next_event()
+        finally:
+            cleanup()
+
+    # The background task also runs when the client went away before the body started.
+    background = BackgroundTask(cleanup)
+    if req.stream_format == "sse":
+        return StreamingResponse(
+            _sse(audio_bytes(), req.input, out), media_type="text/event-stream", background=background
+        )
+    return StreamingResponse(audio_bytes(), media_type=fmt.content_type, background=background)
+
+
+async def _sse(audio: AsyncIterator[bytes], text: str, out: AudioOut) -> AsyncIterator[bytes]:
+    async for data in audio:
+        event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+        yield b"data: " + msgspec.json.encode(event) + b"\n\n"
+    input_tokens = len(text.split())
+    output_tokens = out.bytes_out // 2
+    done = {
+        "type": "speech.audio.done",
+        "usage": {
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens,
+        },
+    }
+    yield b"data: " + msgspec.json.encode(done) + b"\n\n"

@@ -1,0 +1,319 @@
+"""``WS /v1/audio/speech/stream``: incremental text in, audio out, several utterances per connection.
+
+The adapter only translates: client events become session commands, session events become wire events. A reader
+task and a writer task run concurrently, so a disconnect is seen at once (not at the next failed send) and a slow
+client blocks only its own writer, which stops granting engine credit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from omnigate.codecs.formats import UnsupportedFormat, get_format
+from omnigate.gateway.audio_out import AudioOut
+from omnigate.gateway.errors import describe_validation_error, json_error
+from omnigate.gateway.metrics import Metrics
+from omnigate.gateway.speech_protocol import (
+    CLIENT_EVENT_TYPES,
+    InputCancel,
+    InputDone,
+    InputText,
+    SessionCloseEvent,
+    SessionConfigEvent,
+    decode_client_event,
+    event_type_of,
+    to_session_config,
+)
+from omnigate.gateway.state import Gateway
+from omnigate.sessions.driver import SessionDriver
+from omnigate.sessions.messages import (
+    AppendText,
+    Cancel,
+    Close,
+    Configure,
+    ErrorEvent,
+    Flush,
+    MediaChunk,
+    SegmentDone,
+    SegmentStarted,
+    SessionClosed,
+    UtteranceDone,
+)
+from omnigate.sessions.registry import SessionLimitReached
+from omnigate.sessions.speech import ConfigError
+
+log = logging.getLogger(__name__)
+
+TRANSPORT = "ws-speech"
+
+# Close codes by the reason a session ended.
+CLOSE_CODES = {
+    "client_closed": 1000,
+    "idle_timeout": 4408,
+    "config_timeout": 4408,
+    "max_duration": 1008,
+    "stalled": 1008,
+    "shutting_down": 1012,
+}
+
+
+class _WireOutput(msgspec.Struct):
+    """The client's output settings, fixed for the utterances it configured (config changes only when idle)."""
+
+    response_format: str = "wav"
+    sample_rate: int | None = None
+    stream_audio: bool = False
+
+
+async def speech_stream_endpoint(ws: WebSocket) -> None:
+    gateway: Gateway = ws.app.state.gateway
+    metrics: Metrics = ws.app.state.metrics
+    if gateway.pool is None:
+        await _refuse(ws, "not_ready", "the engine is not loaded yet", 1013, gateway.settings.retry_after_s)
+        return
+    try:
+        with gateway.registry.admit(TRANSPORT) as lease:
+            await ws.accept()
+            connection = SpeechStreamConnection(ws, gateway, metrics)
+            lease.driver = connection.driver
+            await connection.run()
+    except SessionLimitReached as exc:
+        code = "shutting_down" if gateway.registry.draining else "server_busy"
+        await _refuse(ws, code, str(exc), 1012 if gateway.registry.draining else 1013, exc.retry_after_s)
+
+
+async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, retry_after_s: float) -> None:
+    await ws.accept()
+    await ws.send_json(json_error(code, message, retry_after=retry_after_s))
+    await ws.close(close_code, f"{code}; retry after {retry_after_s:g}s")
+
+
+class SpeechStreamConnection:
+    """One accepted connection: a reader, a writer and the session driver between them."""
+
+    def __init__(self, ws: WebSocket, gateway: Gateway, metrics: Metrics) -> None:
+        assert gateway.pool is not None
+        self.ws = ws
+        self.gateway = gateway
+        self.settings = gateway.settings
+        self.pool = gateway.pool
+        self.metrics = metrics
+        self.output = _WireOutput()
+        self.driver = SessionDriver(
+            self.pool,
+            gateway.limits(self.settings.ws_outbox_ms),
+            on_first_audio=lambda ms: metrics.ttfa.labels(TRANSPORT).observe(ms / 1000.0),
+        )
+        self.disconnected = False
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self._read(), name="speech-stream-reader")
+        writer = asyncio.create_task(self._write(), name="speech-stream-writer")
+        try:
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            self.driver.release()
+
+    # ---- reader -----------------------------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        config_deadline = loop.time() + self.settings.config_timeout_s
+        while True:
+            try:
+                if self.driver.session.config is None:
+                    async with asyncio.timeout_at(config_deadline):
+                        message = await self.ws.receive()
+                else:
+                    message = await self.ws.receive()
+            except TimeoutError:
+                self.driver.fail("config_timeout", "no session.config within the config timeout")
+                return
+            if message["type"] == "websocket.disconnect":
+                self.disconnected = True
+                self.driver.abort("client_disconnected")
+                return
+            text = message.get("text")
+            if text is None:
+                self._error("invalid_message", "binary frames are not accepted on this endpoint; send JSON text")
+                continue
+            self._on_text(text)
+            if self.driver.closed:
+                return
+
+    def _on_text(self, text: str) -> None:
+        size = len(text.encode("utf-8"))
+        if size > self.settings.ws_max_text_event_bytes and event_type_of(text) != "session.config":
+            self._error(
+                "message_too_large",
+                f"event of {size} bytes exceeds the limit of {self.settings.ws_max_text_event_bytes} bytes",
+            )
+            return
+        try:
+            event = decode_client_event(text)
+        except msgspec.ValidationError as exc:
+            kind = event_type_of(text)
+            if kind is None:
+                self._error("invalid_event", "each message must be a JSON object with a string 'type' field")
+            elif kind not in CLIENT_EVENT_TYPES:
+                self._error(
+                    "unknown_event",
+                    f"unknown event type {kind!r}; expected one of {list(CLIENT_EVENT_TYPES)}",
+                )
+            else:
+                message, param = describe_validation_error(exc)
+                self._error("invalid_event", f"invalid {kind}: {message}", param=param)
+            return
+        except msgspec.DecodeError:
+            self._error("invalid_json", "message is not valid JSON")
+            return
+        if isinstance(event, SessionConfigEvent):
+            self._configure(event)
+        elif isinstance(event, InputText):
+            self.driver.submit(AppendText(event.text))
+        elif isinstance(event, InputDone):
+            self.driver.submit(Flush())
+        elif isinstance(event, InputCancel):
+            self.driver.submit(Cancel())
+        elif isinstance(event, SessionCloseEvent):
+            self.driver.submit(Close())
+
+    def _configure(self, event: SessionConfigEvent) -> None:
+        info = self.pool.info
+        try:
+            get_format(event.response_format)
+        except UnsupportedFormat as exc:
+            self._error("unsupported_format", str(exc), param="response_format")
+            return
+        try:
+            config = to_session_config(
+                event,
+                info,
+                served_models=self.gateway.served_models(),
+                max_audio_ms=int(self.settings.max_utterance_audio_s * 1000),
+                segment_max_chars=self.settings.segment_max_chars,
+                segment_max_wait_ms=self.settings.segment_max_wait_ms,
+            )
+        except ConfigError as exc:
+            self._error(exc.code, exc.message, param=exc.param)
+            return
+        self.driver.submit(Configure(config))
+        if self.driver.session.config is config:
+            self.output = _WireOutput(event.response_format, event.sample_rate, event.stream_audio)
+
+    def _error(self, code: str, message: str, param: str | None = None) -> None:
+        self.driver.report(ErrorEvent(code, message, param=param))
+
+    # ---- writer -----------------------------------------------------------------------------------------------
+
+    async def _write(self) -> None:
+        out: AudioOut | None = None
+        held: list[bytes] = []
+        while True:
+            event = await self.driver.next_event()
+            if isinstance(event, MediaChunk):
+                if out is None:
+                    continue
+                self.metrics.outbox_lag.labels(TRANSPORT).observe(self.driver.outbox.media_ms / 1000.0)
+                data = await out.encode(event.pcm)
+                if self.output.stream_audio:
+                    if data and not await self._send_bytes(data):
+                        return
+                elif data:
+                    held.append(data)
+            elif isinstance(event, SegmentStarted):
+                out = AudioOut(self.output.response_format, event.sample_rate, self.output.sample_rate)
+                held = []
+                ok = await self._send_json(
+                    {
+                        "type": "audio.start",
+                        "utterance_index": event.utterance,
+                        "sentence_index": event.segment,
+                        "sentence_text": event.text,
+                        "format": self.output.response_format,
+                        "sample_rate": out.output_rate,
+                    }
+                )
+                if not ok:
+                    return
+            elif isinstance(event, SegmentDone):
+                total = 0
+                if out is not None:
+                    tail = await out.finish()
+                    payload = tail if self.output.stream_audio else b"".join([*held, tail])
+                    if payload and not await self._send_bytes(payload):
+                        return
+                    total = out.bytes_out
+                out, held = None, []
+                ok = await self._send_json(
+                    {
+                        "type": "audio.done",
+                        "utterance_index": event.utterance,
+                        "sentence_index": event.segment,
+                        "total_bytes": total,
+                        "error": event.status == "error",
+                        "status": event.status,
+                    }
+                )
+                if not ok:
+                    return
+            elif isinstance(event, UtteranceDone):
+                body: dict[str, Any] = {
+                    "type": "session.done",
+                    "utterance_index": event.utterance,
+                    "total_sentences": event.segments,
+                    "status": event.status,
+                }
+                if event.error:
+                    body["error"] = event.error
+                if not await self._send_json(body):
+                    return
+            elif isinstance(event, ErrorEvent):
+                extra = {"param": event.param} if event.param else {}
+                if not await self._send_json(json_error(event.code, event.message, **extra)):
+                    return
+            elif isinstance(event, SessionClosed):
+                await self._close(event)
+                return
+
+    async def _send_json(self, body: dict[str, Any]) -> bool:
+        return await self._send({"type": "websocket.send", "text": msgspec.json.encode(body).decode()})
+
+    async def _send_bytes(self, data: bytes) -> bool:
+        return await self._send({"type": "websocket.send", "bytes": data})
+
+    async def _send(self, message: dict[str, Any]) -> bool:
+        """Send one message; a client that accepts nothing for the stall timeout is dropped."""
+        if self.disconnected:
+            return False
+        try:
+            async with asyncio.timeout(self.settings.stall_timeout_s):
+                await self.ws.send(message)
+        except TimeoutError:
+            log.info("closing a stalled speech-stream client")
+            self.disconnected = True
+            self.driver.abort("stalled", "stalled")
+            return False
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.disconnected = True
+            self.driver.abort("client_disconnected")
+            return False
+        return True
+
+    async def _close(self, event: SessionClosed) -> None:
+        if self.disconnected:
+            return
+        code = CLOSE_CODES.get(event.reason, 1000)
+        try:
+            async with asyncio.timeout(1.0):
+                await self.ws.close(code, event.reason[:120])
+        except (TimeoutError, WebSocketDisconnect, RuntimeError, OSError):
+            pass

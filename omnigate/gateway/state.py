@@ -1,0 +1,39 @@
+"""What a running gateway process holds: settings, the engine pool, the session registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnigate.engines.pool import EnginePool
+from omnigate.gateway.settings import Settings
+from omnigate.sessions.registry import SessionRegistry
+from omnigate.sessions.speech import SessionLimits
+
+
+@dataclass(eq=False)
+class Gateway:
+    """The process-wide state the routes share (``request.app.state.gateway``)."""
+
+    settings: Settings
+    pool: EnginePool | None = None
+    registry: SessionRegistry = field(default_factory=lambda: SessionRegistry(0))
+    load_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.pool is not None and not self.registry.draining
+
+    def served_models(self) -> frozenset[str]:
+        """Names a client may put in ``model``: the model id, the engine family, and OpenAI's TTS model names."""
+        assert self.pool is not None
+        info = self.pool.info
+        return frozenset({info.model, info.family, "tts-1", "tts-1-hd", "gpt-4o-mini-tts"})
+
+    def limits(self, outbox_ms: float) -> SessionLimits:
+        s = self.settings
+        return SessionLimits(
+            outbox_media_ms=outbox_ms,
+            outbox_bytes=s.outbox_bytes,
+            idle_timeout_ms=s.idle_timeout_s * 1000.0,
+            max_session_ms=s.max_session_s * 1000.0,
+        )

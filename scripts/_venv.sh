@@ -1,0 +1,22 @@
+# Sourced by scripts/serve and scripts/test: make the project's virtual environment and install into it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${OMNIGATE_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+
+ensure_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  fi
+}
+
+# pip_install EXTRAS [PACKAGES...]: install the project (editable) with EXTRAS, plus PACKAGES.
+pip_install() {
+  local extras="$1"; shift
+  echo "==> installing omnigate[$extras] $*" >&2
+  # torch is pinned to the CPU build (2.13.0); asking for it first keeps pip from choosing a CUDA build.
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" -e "$ROOT[$extras]"
+}

@@ -1,0 +1,250 @@
+"""EnginePool with the synthetic engine: completion, credit, abort, admission, deadline order, step failures.
+
+Synchronisation is by events only: outputs reach the test through the pool's sink on the event loop, and
+where a test must know what a scheduler thread is doing, the engine itself signals it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import pytest
+
+from omnigate.engines.base import (
+    AudioChunk,
+    EngineError,
+    EngineOutput,
+    EngineStream,
+    SegmentDone,
+    SegmentStarted,
+    StreamDone,
+    SynthesisParams,
+)
+from omnigate.engines.pool import EnginePool, PoolFull, PoolStream
+from omnigate.engines.synthetic import SyntheticConfig, SyntheticEngine
+
+TIMEOUT_S = 10.0
+TONE = SynthesisParams(voice="tone")
+
+
+class Collector:
+    """A pool sink that records outputs and wakes waiters when audio totals or the stream's end arrive."""
+
+    def __init__(self) -> None:
+        self.outputs: list[EngineOutput] = []
+        self.threads: set[int] = set()
+        self.done = asyncio.Event()
+        self._waiters: list[tuple[float, asyncio.Event]] = []
+
+    def __call__(self, outputs: list[EngineOutput]) -> None:
+        self.threads.add(threading.get_ident())
+        self.outputs.extend(outputs)
+        for threshold, event in self._waiters:
+            if self.audio_ms >= threshold:
+                event.set()
+        if any(isinstance(o, StreamDone) for o in outputs):
+            self.done.set()
+
+    @property
+    def audio_ms(self) -> float:
+        return sum(o.duration_ms for o in self.outputs if isinstance(o, AudioChunk))
+
+    async def audio_reaches(self, ms: float) -> None:
+        event = asyncio.Event()
+        self._waiters.append((ms, event))
+        if self.audio_ms >= ms:
+            event.set()
+        await asyncio.wait_for(event.wait(), TIMEOUT_S)
+
+    async def finished(self) -> StreamDone:
+        await asyncio.wait_for(self.done.wait(), TIMEOUT_S)
+        last = self.outputs[-1]
+        assert isinstance(last, StreamDone)
+        return last
+
+
+class GatedEngine(SyntheticEngine):
+    """Holds its scheduler thread in the first step until released, and records every batch it steps."""
+
+    def __init__(self, config: SyntheticConfig) -> None:
+        super().__init__(config)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.batches: list[list[EngineStream]] = []
+
+    def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
+        self.batches.append(list(streams))
+        if not self.release.is_set():
+            self.entered.set()
+            if not self.release.wait(TIMEOUT_S):
+                raise RuntimeError("the test never released the gate")
+        return super().step(streams, budget_ms)
+
+
+class FailingEngine(SyntheticEngine):
+    """Raises from a step whose batch holds the text ``boom``."""
+
+    def __init__(self, config: SyntheticConfig, error: Exception) -> None:
+        super().__init__(config)
+        self.error = error
+
+    def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
+        if any("boom" in text for stream in streams for text in stream.pending_text):
+            raise self.error
+        return super().step(streams, budget_ms)
+
+
+@asynccontextmanager
+async def running(engine: SyntheticEngine, *, retry_after_s: float = 1.0) -> AsyncIterator[EnginePool]:
+    pool = EnginePool(engine, retry_after_s=retry_after_s)
+    pool.start()
+    try:
+        yield pool
+    finally:
+        await asyncio.to_thread(pool.stop)
+
+
+def submit(pool: EnginePool, units: Sequence[str], *, credit_ms: float = 60_000.0) -> tuple[PoolStream, Collector]:
+    collector = Collector()
+    ps = pool.open(TONE, collector, initial_credit_ms=credit_ms)
+    for unit in units:
+        pool.push_text(ps, unit)
+    pool.end_input(ps)
+    return ps, collector
+
+
+async def test_stream_runs_to_completion_on_the_loop_thread() -> None:
+    async with running(SyntheticEngine.from_spec(None)) as pool:
+        _, collector = submit(pool, ["abcde", "fgh"])
+        assert await collector.finished() == StreamDone(reason="completed")
+        events = [o for o in collector.outputs if not isinstance(o, AudioChunk)]
+        assert events == [
+            SegmentStarted(index=0, text="abcde"),
+            SegmentDone(index=0),
+            SegmentStarted(index=1, text="fgh"),
+            SegmentDone(index=1),
+            StreamDone(reason="completed"),
+        ]
+        assert collector.audio_ms == pytest.approx(480.0)
+        assert collector.threads == {threading.get_ident()}
+        assert pool.active == 0
+        assert pool.generated_ms_total == pytest.approx(480.0)
+
+
+async def test_credit_bounds_production_until_more_is_granted() -> None:
+    async with running(SyntheticEngine.from_spec("chunk_ms=40")) as pool:
+        # 20 characters at 60 ms each: 1200 ms of audio behind 200 ms of credit.
+        ps, collector = submit(pool, ["abcdefghijklmnopqrst"], credit_ms=200.0)
+
+        await collector.audio_reaches(200.0)
+        # The pool subtracts credit before it hands outputs over, so the stream is provably parked here.
+        assert collector.audio_ms == pytest.approx(200.0)
+        assert ps.credit_ms == pytest.approx(0.0)
+        assert not ps.runnable()
+        assert not collector.done.is_set()
+
+        pool.grant(ps, 100.0)
+        await collector.audio_reaches(300.0)
+        assert collector.audio_ms == pytest.approx(300.0)
+        assert not ps.runnable()
+
+        pool.grant(ps, 5000.0)
+        assert await collector.finished() == StreamDone(reason="completed")
+        assert collector.audio_ms == pytest.approx(1200.0)
+
+
+async def test_abort_of_a_parked_stream_frees_the_slot_and_silences_it() -> None:
+    async with running(SyntheticEngine.from_spec("chunk_ms=40")) as pool:
+        ps, collector = submit(pool, ["abcdefghij"], credit_ms=80.0)
+        await collector.audio_reaches(80.0)
+
+        pool.abort(ps)
+        pool.abort(ps)
+        assert pool.active == 0
+        assert pool.aborted_total == 1
+        delivered = len(collector.outputs)
+        pool.grant(ps, 5000.0)
+        pool.push_text(ps, "more")
+
+        # A later stream running to its end shows the worker went on without touching the aborted one.
+        _, probe = submit(pool, ["probe"])
+        await probe.finished()
+        assert len(collector.outputs) == delivered
+        assert pool.active == 0
+
+
+async def test_abort_during_a_step_discards_that_steps_output() -> None:
+    engine = GatedEngine(SyntheticConfig())
+    async with running(engine) as pool:
+        ps, collector = submit(pool, ["abcdef"])
+        assert await asyncio.to_thread(engine.entered.wait, TIMEOUT_S)
+        pool.abort(ps)
+        engine.release.set()
+
+        _, probe = submit(pool, ["probe"])
+        await probe.finished()
+        assert collector.outputs == []
+        assert pool.active == 0
+
+
+async def test_pool_full_when_every_slot_is_taken() -> None:
+    async with running(SyntheticEngine.from_spec("max_sessions=2"), retry_after_s=2.5) as pool:
+        first = pool.open(TONE, Collector(), initial_credit_ms=100.0)
+        pool.open(TONE, Collector(), initial_credit_ms=100.0)
+        with pytest.raises(PoolFull) as caught:
+            pool.open(TONE, Collector(), initial_credit_ms=100.0)
+        assert caught.value.retry_after_s == 2.5
+        assert pool.free_slots == 0
+
+        pool.abort(first)
+        assert pool.free_slots == 1
+        pool.open(TONE, Collector(), initial_credit_ms=100.0)
+
+
+async def test_earlier_deadline_is_stepped_first() -> None:
+    engine = GatedEngine(SyntheticConfig(max_batch=1))
+    async with running(engine) as pool:
+        # Hold the only worker in a step while both contenders queue up.
+        gate, gate_collector = submit(pool, ["..."], credit_ms=0.0)
+        pool.grant(gate, 100.0)
+        assert await asyncio.to_thread(engine.entered.wait, TIMEOUT_S)
+
+        early, early_collector = submit(pool, ["abcd"], credit_ms=0.0)
+        late, late_collector = submit(pool, ["abcd"], credit_ms=0.0)
+        pool.grant(late, 5000.0)
+        pool.grant(early, 5000.0)
+        engine.release.set()
+
+        for collector in (gate_collector, early_collector, late_collector):
+            assert await collector.finished() == StreamDone(reason="completed")
+        assert all(len(batch) == 1 for batch in engine.batches)
+        order = [batch[0] for batch in engine.batches]
+        assert order[0] is gate.stream
+        assert order.index(early.stream) < order.index(late.stream)
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (RuntimeError("kaput"), "engine_error: RuntimeError"),
+        (EngineError("bad_input", "cannot say boom"), "bad_input: cannot say boom"),
+    ],
+)
+async def test_failing_step_fails_only_its_batch(error: Exception, message: str) -> None:
+    async with running(FailingEngine(SyntheticConfig(max_batch=1), error)) as pool:
+        parked, parked_collector = submit(pool, ["abcdef"], credit_ms=40.0)
+        await parked_collector.audio_reaches(40.0)
+
+        _, failing = submit(pool, ["boom"])
+        assert await failing.finished() == StreamDone(reason="error", error=message)
+        assert pool.failed_total == 1
+
+        # The pool keeps working: the parked stream and a new one both complete.
+        pool.grant(parked, 5000.0)
+        assert await parked_collector.finished() == StreamDone(reason="completed")
+        _, later = submit(pool, ["later"])
+        assert await later.finished() == StreamDone(reason="completed")
+        assert pool.active == 0
