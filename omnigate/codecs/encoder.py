@@ -14,6 +14,9 @@ from omnigate.codecs.resample import SAMPLE_WIDTH, StreamResampler, pcm_to_frame
 _UNKNOWN_SIZE = 0xFFFFFFFF
 
 
+WAV_HEADER_BYTES = 44
+
+
 def streaming_wav_header(sample_rate: int) -> bytes:
     """A 44-byte mono s16le WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
     byte_rate = sample_rate * SAMPLE_WIDTH
@@ -176,6 +179,22 @@ class AudioEncoder:
         if not self._finished:
             self._finished = True
             self._backend.close()
+
+
+def complete_wav(data: bytes) -> bytes:
+    """A whole streamed WAV file with its real RIFF and data sizes in place of the streaming 0xFFFFFFFF ones."""
+    if len(data) < WAV_HEADER_BYTES or data[:4] != b"RIFF":
+        raise ValueError("not a WAV stream")
+    data_size = len(data) - WAV_HEADER_BYTES
+    return b"".join(
+        (
+            data[:4],
+            struct.pack("<I", 36 + data_size),
+            data[8:40],
+            struct.pack("<I", data_size),
+            data[WAV_HEADER_BYTES:],
+        )
+    )
 
 
 def encode_all(fmt: AudioFormat | str, pcm: bytes, input_rate: int, output_rate: int | None = None) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from omnigate.codecs.encoder import AudioEncoder
+from omnigate.codecs.formats import get_format
 
 
 class AudioOut:
@@ -13,6 +14,13 @@ class AudioOut:
     def __init__(self, fmt: str, input_rate: int, output_rate: int | None = None) -> None:
         self.encoder = AudioEncoder(fmt, input_rate, output_rate)
         self.bytes_out = 0
+
+    @classmethod
+    async def open(cls, fmt: str, input_rate: int, output_rate: int | None = None) -> AudioOut:
+        """Create the encoder, off the loop when it is a real codec (opening one costs about a millisecond)."""
+        if get_format(fmt).raw:
+            return cls(fmt, input_rate, output_rate)
+        return await asyncio.to_thread(cls, fmt, input_rate, output_rate)
 
     @property
     def output_rate(self) -> int:
@@ -25,6 +33,10 @@ class AudioOut:
             data = self.encoder.encode(pcm)
         self.bytes_out += len(data)
         return data
+
+    def close(self) -> None:
+        """Drop an encoder that will not be finished (the stream was cut off)."""
+        self.encoder.close()
 
     async def finish(self) -> bytes:
         if self.encoder.costly:

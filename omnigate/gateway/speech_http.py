@@ -133,10 +133,11 @@ async def speech_endpoint(request: Request) -> Response:
     driver.submit(AppendText(req.input))
     driver.submit(Flush())
     fmt = get_format(req.response_format)
-    out = AudioOut(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
+    out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
 
     # The first event decides the status: a refusal before any audio is still an HTTP error.
     def cleanup() -> None:
+        out.close()
         driver.release()
         lease.release()
 

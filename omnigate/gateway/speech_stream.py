@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from omnigate.codecs.encoder import complete_wav
 from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.audio_out import AudioOut
 from omnigate.gateway.errors import describe_validation_error, json_error
@@ -215,9 +216,17 @@ class SpeechStreamConnection:
     # ---- writer -----------------------------------------------------------------------------------------------
 
     async def _write(self) -> None:
-        out: AudioOut | None = None
+        self._out: AudioOut | None = None
+        try:
+            await self._write_events()
+        finally:
+            if self._out is not None:
+                self._out.close()
+
+    async def _write_events(self) -> None:
         held: list[bytes] = []
         while True:
+            out = self._out
             event = await self.driver.next_event()
             if isinstance(event, MediaChunk):
                 if out is None:
@@ -230,7 +239,11 @@ class SpeechStreamConnection:
                 elif data:
                     held.append(data)
             elif isinstance(event, SegmentStarted):
-                out = AudioOut(self.output.response_format, event.sample_rate, self.output.sample_rate)
+                if out is not None:
+                    out.close()
+                out = self._out = await AudioOut.open(
+                    self.output.response_format, event.sample_rate, self.output.sample_rate
+                )
                 held = []
                 ok = await self._send_json(
                     {
@@ -249,10 +262,12 @@ class SpeechStreamConnection:
                 if out is not None:
                     tail = await out.finish()
                     payload = tail if self.output.stream_audio else b"".join([*held, tail])
+                    if not self.output.stream_audio and self.output.response_format == "wav":
+                        payload = complete_wav(payload)  # a whole file per sentence: real sizes in the header
                     if payload and not await self._send_bytes(payload):
                         return
                     total = out.bytes_out
-                out, held = None, []
+                self._out, held = None, []
                 ok = await self._send_json(
                     {
                         "type": "audio.done",
