@@ -14,31 +14,20 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from omnigate.codecs.encoder import complete_wav
-from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.audio_out import AudioOut
-from omnigate.gateway.errors import describe_validation_error, json_error
+from omnigate.gateway.errors import json_error
 from omnigate.gateway.metrics import Metrics
-from omnigate.gateway.speech_protocol import (
-    CLIENT_EVENT_TYPES,
-    InputCancel,
-    InputDone,
-    InputText,
-    SessionCloseEvent,
-    SessionConfigEvent,
-    decode_client_event,
-    event_type_of,
-    to_session_config,
+from omnigate.gateway.speech_adapter import (
+    SpeechInput,
+    audio_done_event,
+    audio_start_event,
+    error_event,
+    session_done_event,
 )
 from omnigate.gateway.state import Gateway
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
-    AppendText,
-    Cancel,
-    Close,
-    Configure,
     ErrorEvent,
-    Flush,
     MediaChunk,
     SegmentDone,
     SegmentStarted,
@@ -46,7 +35,6 @@ from omnigate.sessions.messages import (
     UtteranceDone,
 )
 from omnigate.sessions.registry import SessionLimitReached
-from omnigate.sessions.speech import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +49,6 @@ CLOSE_CODES = {
     "stalled": 1008,
     "shutting_down": 1012,
 }
-
-
-class _WireOutput(msgspec.Struct):
-    """The client's output settings, fixed for the utterances it configured (config changes only when idle)."""
-
-    response_format: str = "wav"
-    sample_rate: int | None = None
-    stream_audio: bool = False
 
 
 async def speech_stream_endpoint(ws: WebSocket) -> None:
@@ -104,12 +84,12 @@ class SpeechStreamConnection:
         self.settings = gateway.settings
         self.pool = gateway.pool
         self.metrics = metrics
-        self.output = _WireOutput()
         self.driver = SessionDriver(
             self.pool,
             gateway.limits(self.settings.ws_outbox_ms),
             on_first_audio=lambda ms: metrics.ttfa.labels(TRANSPORT).observe(ms / 1000.0),
         )
+        self.input = SpeechInput(self.driver, gateway)
         self.disconnected = False
 
     async def run(self) -> None:
@@ -144,74 +124,11 @@ class SpeechStreamConnection:
                 return
             text = message.get("text")
             if text is None:
-                self._error("invalid_message", "binary frames are not accepted on this endpoint; send JSON text")
+                self.input.error("invalid_message", "binary frames are not accepted on this endpoint; send JSON text")
                 continue
-            self._on_text(text)
+            self.input.on_text(text)
             if self.driver.closed:
                 return
-
-    def _on_text(self, text: str) -> None:
-        size = len(text.encode("utf-8"))
-        if size > self.settings.ws_max_text_event_bytes and event_type_of(text) != "session.config":
-            self._error(
-                "message_too_large",
-                f"event of {size} bytes exceeds the limit of {self.settings.ws_max_text_event_bytes} bytes",
-            )
-            return
-        try:
-            event = decode_client_event(text)
-        except msgspec.ValidationError as exc:
-            kind = event_type_of(text)
-            if kind is None:
-                self._error("invalid_event", "each message must be a JSON object with a string 'type' field")
-            elif kind not in CLIENT_EVENT_TYPES:
-                self._error(
-                    "unknown_event",
-                    f"unknown event type {kind!r}; expected one of {list(CLIENT_EVENT_TYPES)}",
-                )
-            else:
-                message, param = describe_validation_error(exc)
-                self._error("invalid_event", f"invalid {kind}: {message}", param=param)
-            return
-        except msgspec.DecodeError:
-            self._error("invalid_json", "message is not valid JSON")
-            return
-        if isinstance(event, SessionConfigEvent):
-            self._configure(event)
-        elif isinstance(event, InputText):
-            self.driver.submit(AppendText(event.text))
-        elif isinstance(event, InputDone):
-            self.driver.submit(Flush())
-        elif isinstance(event, InputCancel):
-            self.driver.submit(Cancel())
-        elif isinstance(event, SessionCloseEvent):
-            self.driver.submit(Close())
-
-    def _configure(self, event: SessionConfigEvent) -> None:
-        info = self.pool.info
-        try:
-            get_format(event.response_format)
-        except UnsupportedFormat as exc:
-            self._error("unsupported_format", str(exc), param="response_format")
-            return
-        try:
-            config = to_session_config(
-                event,
-                info,
-                served_models=self.gateway.served_models(),
-                max_audio_ms=int(self.settings.max_utterance_audio_s * 1000),
-                segment_max_chars=self.settings.segment_max_chars,
-                segment_max_wait_ms=self.settings.segment_max_wait_ms,
-            )
-        except ConfigError as exc:
-            self._error(exc.code, exc.message, param=exc.param)
-            return
-        self.driver.submit(Configure(config))
-        if self.driver.session.config is config:
-            self.output = _WireOutput(event.response_format, event.sample_rate, event.stream_audio)
-
-    def _error(self, code: str, message: str, param: str | None = None) -> None:
-        self.driver.report(ErrorEvent(code, message, param=param))
 
     # ---- writer -----------------------------------------------------------------------------------------------
 
@@ -233,7 +150,7 @@ class SpeechStreamConnection:
                     continue
                 self.metrics.outbox_lag.labels(TRANSPORT).observe(self.driver.outbox.media_ms / 1000.0)
                 data = await out.encode(event.pcm)
-                if self.output.stream_audio:
+                if self.input.output.stream_audio:
                     if data and not await self._send_bytes(data):
                         return
                 elif data:
@@ -250,7 +167,7 @@ class SpeechStreamConnection:
                         "type": "audio.start",
                         "utterance_index": event.utterance,
                         "sentence_index": event.segment,
-                        "sentence_text": event.text,
+                        "sentence_text": event.text.strip(),
                         "format": self.output.response_format,
                         "sample_rate": out.output_rate,
                     }
@@ -261,7 +178,7 @@ class SpeechStreamConnection:
                 total = 0
                 if out is not None:
                     tail = await out.finish()
-                    payload = tail if self.output.stream_audio else b"".join([*held, tail])
+                    payload = tail if self.input.output.stream_audio else b"".join([*held, tail])
                     if not self.output.stream_audio and self.output.response_format == "wav":
                         payload = complete_wav(payload)  # a whole file per sentence: real sizes in the header
                     if payload and not await self._send_bytes(payload):
@@ -281,19 +198,10 @@ class SpeechStreamConnection:
                 if not ok:
                     return
             elif isinstance(event, UtteranceDone):
-                body: dict[str, Any] = {
-                    "type": "session.done",
-                    "utterance_index": event.utterance,
-                    "total_sentences": event.segments,
-                    "status": event.status,
-                }
-                if event.error:
-                    body["error"] = event.error
-                if not await self._send_json(body):
+                if not await self._send_json(session_done_event(event)):
                     return
             elif isinstance(event, ErrorEvent):
-                extra = {"param": event.param} if event.param else {}
-                if not await self._send_json(json_error(event.code, event.message, **extra)):
+                if not await self._send_json(error_event(event)):
                     return
             elif isinstance(event, SessionClosed):
                 await self._close(event)

@@ -6,9 +6,10 @@ Rules, in order of precedence:
 
 * **Nothing is lost.** The units returned by :meth:`TextSegmenter.push`, :meth:`~TextSegmenter.poll` and
   :meth:`~TextSegmenter.flush`, followed by what :meth:`~TextSegmenter.clear` returns, concatenate to exactly the
-  text pushed. Every unit holds a non-space character. Whitespace after a boundary ends the unit before it ("Hello!
-  " then "How are you?"), so units start at a word; a whitespace-only remainder stays buffered and leads the next
-  unit (after a CJK cut, say "你好。\\n" then end of input, ``buffered`` is "\\n" after :meth:`flush`).
+  text pushed. Every unit holds a non-space character. Whitespace after a boundary stays with the unit before it
+  ("Hello! " and "How are you?"), so units start at a word (except after a CJK mark or a cut inside a word). A
+  whitespace-only remainder stays buffered and leads the next unit: after a CJK cut, say "你好。\\n" then end of
+  input, ``buffered`` is "\\n" after :meth:`flush`, not a unit of its own.
 * **Decisions wait for context, never for chunking.** A boundary is decided only once the text that settles it has
   arrived (normally the next non-space character), so the units do not depend on how the text was chunked: with
   the clock standing still, pushing a text in one piece or one character at a time gives the same units.
@@ -226,10 +227,8 @@ class TextSegmenter:
                 units.append(self._take(cut, None))
                 continue
             if self._deadline_ms is not None and now_ms >= self._deadline_ms:
-                timed = self._timed_cut()
-                if timed is not None:
-                    units.append(self._take(timed, now_ms))
-                    continue
+                units.append(self._take(self._timed_cut(), now_ms))
+                continue
             return units
 
     def _take(self, cut: int, restart_clock_ms: float | None) -> str:
@@ -316,8 +315,6 @@ class TextSegmenter:
             while content_end > 0 and text[content_end - 1].isspace():
                 content_end -= 1
             cut = self._skip_space(text, start)
-            if content_end == 0:
-                return _keep(cut)
             return _WAIT if cut == len(text) else _split(content_end, cut)
         if char in _CJK_TERMINATORS or char in _CJK_CLAUSE_MARKS:
             if char in _DIGIT_GUARDED and start > 0 and text[start - 1].isdecimal():
@@ -383,21 +380,21 @@ class TextSegmenter:
         if last_word_end is not None and _count_nonspace(text, last_word_end) >= min_chars:
             cut = self._skip_space(text, last_word_end)
             return cut if cut < len(text) else None
-        # One long word: cut inside it at the limit, or as soon after as min_chars allows.
-        count = _count_nonspace(text, limit)
-        for index in range(limit, len(text) + 1):
-            if count >= min_chars:
-                return index
-            if index < len(text) and not text[index].isspace():
-                count += 1
-        return None
-
-    def _timed_cut(self) -> int | None:
-        """Text waited too long: release up to the last whitespace, keeping a trailing partial word."""
-        text = self._buffer
-        min_chars = self._config.min_chars
         if self._nonspace < min_chars:
             return None
+        # One long word: cut inside it at the limit, or as soon after as min_chars allows.
+        missing = min_chars - _count_nonspace(text, limit)
+        if missing <= 0:
+            return limit
+        return [match.end() for match in _NONSPACE.finditer(text, limit)][missing - 1]
+
+    def _timed_cut(self) -> int:
+        """Text waited too long: release up to the last whitespace, keeping a trailing partial word.
+
+        Only called with a deadline set, so the buffer holds at least ``min_chars`` non-space characters.
+        """
+        text = self._buffer
+        min_chars = self._config.min_chars
         if not (text[-1].isspace() or text[-1] in _FINAL_MARKS):
             word_start = len(text)
             while word_start > 0 and not text[word_start - 1].isspace():

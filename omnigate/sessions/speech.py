@@ -267,7 +267,7 @@ class SpeechSession:
     # ---- command handlers -------------------------------------------------------------------------------------
 
     def _configure(self, config: SessionConfig) -> list[Action]:
-        if self._queue or (self._segmenter is not None and self._segmenter.buffered):
+        if self._queue or (self._segmenter is not None and self._segmenter.buffered.strip()):
             # The output format of queued utterances must not change under them, and buffered text is never
             # silently dropped: the client finishes (session.done) or cancels first.
             return [

@@ -9,14 +9,15 @@ from hypothesis import strategies as st
 
 from omnigate.sessions.segmenter import SegmenterConfig, SegmenterOverflow, TextSegmenter
 
-PROPERTY_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+PROPERTY_SETTINGS = settings(max_examples=500, deadline=None, derandomize=True, database=None)
 
 # Pieces that exercise every rule, mixed with arbitrary unicode below.
 TOKENS = [
     "Dr.", "Mr.", "Mrs.", "U.S.", "e.g.", "etc.", "No.", "no.", "J.", "3.14", "1,000", "1,000.5", "v2.0",
     "example.com", "a.b@c.io", "Hello", "world", "hi", "I", "1.", "12", "Wait", "what", "...", "…", ".", "!",
-    "?", "?!", ",", ";", ":", '"', "'", ")", "(", "“", "”", "「", "」", " ", "  ", "\n", "\n\n", "\t", "\r\n",
-    "\u2028", "\u00a0", "你好", "世界", "。", "！", "？", "，", "、", "．", "３", "😀", "👍🏽", "ß", "É", "a", "Z", "9",
+    "?", "?!", ",", ";", ":", '"', "'", ")", "(", "“", "”", "「", "」", " ", "  ", "    ", "\n \n", "\n",
+    "\n\n", "\t", "\r\n", "\u2028", "\u00a0", "你好", "世界", "。", "！", "？", "，", "、", "．", "３",
+    "😀", "👍🏽", "ß", "É", "a", "Z", "9",
 ]  # fmt: skip
 
 texts = st.one_of(
@@ -168,6 +169,8 @@ CLAUSE = SegmenterConfig(granularity="clause")
         ("你好，世界、好", CLAUSE, ["你好，", "世界、", "好"]),
         ("the quick brown fox jumps over", SegmenterConfig(max_chars=20), ["the quick brown fox ", "jumps over"]),
         ("abcdefghijklmnopqrstuvwxyz", SegmenterConfig(max_chars=10), ["abcdefghij", "klmnopqrst", "uvwxyz"]),
+        ("aaaa    bbb", SegmenterConfig(max_chars=5), ["aaaa    ", "bbb"]),
+        ("Hello!!!!!!!!!! Bye", SegmenterConfig(max_chars=8), ["Hello!!!", "!!!!!!! ", "Bye"]),
     ],
 )
 def test_boundaries(text: str, config: SegmenterConfig, expected: list[str]) -> None:
