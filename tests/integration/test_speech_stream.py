@@ -35,7 +35,7 @@ async def test_piper_speech_streams_before_input_done_and_is_speech(piper_server
     # Two sentences (more only if a slow machine let the 400 ms forced flush cut one): all the text, once, in order.
     texts = [start["sentence_text"], *(s["sentence_text"] for s in utt.starts)]
     assert utt.end["total_sentences"] == len(texts) >= 2
-    assert "".join(texts).split() == (sentence + "And then it ran away into the forest.").split()
+    assert " ".join(texts).split() == (sentence + "And then it ran away into the forest.").split()
     pcm = utt.pcm
     assert len(pcm) % 2 == 0
     duration = len(pcm) / 2 / 22050
