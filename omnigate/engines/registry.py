@@ -6,9 +6,12 @@ Each loader imports its family lazily, so the gateway starts without torch unles
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnigate.engines.base import Engine
+
+if TYPE_CHECKING:
+    from omnigate.engines.video.engine import VideoEngine
 
 EngineLoader = Callable[..., Engine]
 
@@ -31,13 +34,27 @@ def _load_talker(model: str | None, **options: Any) -> Engine:
     return TalkerEngine.load(model, **options)
 
 
+def _load_duplex(model: str | None, **options: Any) -> Engine:
+    from omnigate.engines.duplex.engine import DuplexEngine
+
+    return DuplexEngine.load(model, **options)
+
+
 LOADERS: dict[str, EngineLoader] = {
     "piper": _load_piper,
     "synthetic": _load_synthetic,
     "talker": _load_talker,
+    "duplex": _load_duplex,
 }
 
 DEFAULT_ENGINE = "piper"
+
+
+def load_video_engine(model: str | None, **options: Any) -> VideoEngine:
+    """The video engine (``--video-model``). It is not a speech engine, so it is loaded beside the one of LOADERS."""
+    from omnigate.engines.video.engine import VideoEngine
+
+    return VideoEngine.load(model, **options)
 
 
 def load_engine(family: str, model: str | None = None, **options: Any) -> Engine:

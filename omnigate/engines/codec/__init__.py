@@ -1,0 +1,1 @@
+"""Neural audio codec decoders used by the model engines."""

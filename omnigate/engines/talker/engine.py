@@ -1,0 +1,400 @@
+"""The talker engine: CSM-style codec-token TTS with continuous batching and exact streaming codec decoding.
+
+Each :meth:`TalkerEngine.step` advances every stream of the batch by at most one codec frame (80 ms for Mimi):
+
+1. streams starting a text unit extend their slot's context with the unit's tokens (one prefill forward each),
+   and streams mid-unit append their last frame, all of those in one batched backbone forward;
+2. codebook 0 and then the residual codebooks are sampled for all of them together (backbone head, depth decoder);
+3. frames collect per stream and leave as PCM in chunks that ramp 1, 2, 4, 8 frames, decoded by one streaming
+   Mimi call per chunk size across streams.
+
+A stream never generates audio its credit cannot take: it advances only when its budget covers the frames it holds
+plus one more, and flushes what it holds when it cannot. One stream is one utterance; each text unit becomes a
+CSM segment spoken with the earlier segments' text and audio as context.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from omnigate.engines.base import (
+    AudioChunk,
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    EngineStream,
+    SegmentDone,
+    SegmentStarted,
+    StopReason,
+    StreamDone,
+    SynthesisParams,
+    VoiceInfo,
+    validate_params,
+)
+from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
+from omnigate.engines.talker.context import ContextSegment, validate_context
+from omnigate.engines.talker.frames import FrameModel
+from omnigate.engines.talker.model import TalkerModel, clear_codebook_cache, load_talker_model
+from omnigate.engines.talker.options import TORCH_DTYPES, TalkerOptions
+from omnigate.engines.talker.sampling import TokenSampler
+from omnigate.engines.talker.schedule import ChunkSchedule
+from omnigate.engines.talker.stopping import SilenceDetector, frame_limit
+from omnigate.engines.talker.stream import Segment, TalkerStream
+
+FAMILY = "talker"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SEED_MASK = (1 << 62) - 1
+PRESET_MS_PER_CHAR = 60.0
+
+
+class TalkerEngine(Engine):
+    """Serves up to ``max_sessions`` concurrent utterances from one CSM model."""
+
+    def __init__(self, model: TalkerModel, options: TalkerOptions) -> None:
+        self.options = options
+        self.model = model
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        dtype = TORCH_DTYPES[options.dtype]
+        codec_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+        csm = model.csm.to(torch.device(options.device))
+        for name, child in csm.named_children():
+            # Converted separately so the codec's codebooks never pass through the lower precision.
+            child.to(codec_dtype if name == "codec_model" else dtype)
+        clear_codebook_cache(csm.codec_model)
+        config = csm.config
+        self.codec = MimiStreamDecoder(csm.codec_model, options.max_sessions)
+        if self.codec.num_codebooks < config.num_codebooks:
+            raise ValueError("the codec has fewer codebooks than the talker predicts")
+        capacity = options.max_context or int(config.max_position_embeddings)
+        sampler = TokenSampler(
+            temperature=options.temperature,
+            top_k=options.top_k,
+            valid_ids=min(int(config.vocab_size), self.codec.codebook_size),
+            eos_id=int(config.codebook_eos_token_id),
+            eos_bias=options.eos_bias,
+        )
+        self.frames = FrameModel(
+            model, max_slots=options.max_sessions, max_batch=options.max_batch, capacity=capacity, sampler=sampler
+        )
+        self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
+        self.sample_rate = self.codec.sample_rate
+        self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate
+        ms_per_char = options.segment_ms_per_char
+        if ms_per_char is None:
+            ms_per_char = PRESET_MS_PER_CHAR if model.random_weights else 0.0
+        self.segment_ms_per_char = ms_per_char
+        self._slot_lock = threading.Lock()
+        self._free_slots = list(range(options.max_sessions - 1, -1, -1))
+        self._opened = itertools.count()
+        voices = tuple(VoiceInfo(id=str(i), name=f"Speaker {i}") for i in range(options.speakers))
+        self.info = EngineInfo(
+            family=FAMILY,
+            model=model.name,
+            sample_rate=self.sample_rate,
+            voices=voices,
+            default_voice=voices[0].id,
+            capabilities=EngineCapabilities(),
+            max_sessions=options.max_sessions,
+            max_batch=options.max_batch,
+            workers=1,
+            synthetic=model.random_weights,
+            min_credit_ms=self.frame_ms,
+        )
+
+    @classmethod
+    def load(cls, model: str | None, **options: Any) -> TalkerEngine:
+        """Build from ``--model`` (``preset:NAME`` or a checkpoint directory) and string or typed options."""
+        try:
+            parsed = msgspec.convert(options, TalkerOptions, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid talker option: {exc}") from None
+        return cls(load_talker_model(model, seed=parsed.seed), parsed)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not held by a live stream."""
+        with self._slot_lock:
+            return len(self._free_slots)
+
+    # ---- stream lifecycle -----------------------------------------------------------------------------------
+
+    def open(
+        self, params: SynthesisParams, *, seed: int | None = None, context: Sequence[ContextSegment] = ()
+    ) -> TalkerStream:
+        """Create an utterance stream; ``seed`` fixes its sampling (default: derived from the engine seed).
+
+        ``context`` holds earlier speech the utterance continues from (CSM's voice and prosody reference).
+        """
+        validate_params(self.info, params)
+        validate_context(
+            context,
+            speakers=self.info.voice_ids(),
+            sample_rate=self.sample_rate,
+            max_audio_s=self.options.max_context_audio_s,
+        )
+        if self._context_tokens(context) >= self.frames.cache.capacity:
+            raise EngineError("invalid_context", "the context does not fit the model's context window", "context")
+        if seed is None:
+            seed = (self.options.seed * 1_000_003 + next(self._opened)) & _SEED_MASK
+        return TalkerStream(
+            params,
+            seed=seed & _SEED_MASK,
+            frame_limit=frame_limit(params.max_audio_ms, self.frame_ms),
+            silence=SilenceDetector(
+                threshold_dbfs=self.options.silence_dbfs, seconds=self.options.silence_s, frame_ms=self.frame_ms
+            ),
+            context=tuple(context),
+        )
+
+    def _context_tokens(self, context: Sequence[ContextSegment]) -> int:
+        per_frame = self.codec.samples_per_frame
+        return sum(
+            len(self.model.segments.encode(seg.speaker, seg.text)) + -(-len(seg.pcm) // (2 * per_frame)) + 1
+            for seg in context
+        )
+
+    def _context_embeddings(self, context: Sequence[ContextSegment]) -> torch.Tensor:
+        """``[T, hidden]``: each context segment's text, its audio encoded to frames, and an end-of-audio frame."""
+        parts = []
+        for segment in context:
+            parts.append(self.frames.embed_text(self.model.segments.encode(segment.speaker, segment.text)))
+            frames = torch.cat((self._encode_audio(segment.pcm), self.frames.end_of_audio()[None]))
+            parts.append(self.frames.embed_frames(frames))
+        return torch.cat(parts)
+
+    def _encode_audio(self, pcm: bytes) -> torch.Tensor:
+        """Codec frames ``[T, N]`` of mono s16le PCM at the codec's rate."""
+        codec = self.model.csm.codec_model
+        param = next(codec.parameters())
+        samples = torch.from_numpy(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0)
+        audio = samples.to(device=param.device, dtype=param.dtype)[None, None]
+        codes: torch.Tensor = codec.encode(audio, num_quantizers=self.frames.num_codebooks).audio_codes
+        return codes[0].T.to(self.frames.device)
+
+    def close(self, stream: EngineStream) -> None:
+        ts = _talker_stream(stream)
+        ts.closed = True
+        self._release(ts)
+
+    def _release(self, stream: TalkerStream) -> None:
+        stream.pending.clear()
+        stream.last_frame = None
+        with self._slot_lock:
+            if stream.slot is not None:
+                self._free_slots.append(stream.slot)
+                stream.slot = None
+
+    def _acquire(self, stream: TalkerStream) -> int:
+        if stream.slot is None:
+            with self._slot_lock:
+                if not self._free_slots:
+                    raise EngineError("no_slot", "every talker slot is taken")
+                stream.slot = self._free_slots.pop()
+            self.frames.cache.reset(stream.slot)
+            self.codec.reset(stream.slot)
+        return stream.slot
+
+    def _finish(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
+        out.append(StreamDone(reason=reason))
+        stream.finished = True
+        self._release(stream)
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+
+    def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
+        batch = [_talker_stream(s) for s in streams]
+        outputs: list[list[EngineOutput]] = [[] for _ in batch]
+        endings: dict[int, StopReason] = {}
+        with torch.no_grad():
+            rows, hidden = self._forward(batch, budget_ms, outputs, endings)
+            if rows:
+                self._sample(batch, rows, hidden, endings)
+            self._emit_audio(batch, budget_ms, outputs, endings)
+        for row, reason in endings.items():
+            self._end_segment(batch[row], reason, outputs[row])
+        return outputs
+
+    def _forward(
+        self,
+        batch: list[TalkerStream],
+        budget_ms: Sequence[float],
+        outputs: list[list[EngineOutput]],
+        endings: dict[int, StopReason],
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Prefill streams starting a unit, then advance the others together; returns rows and hidden states."""
+        rows: list[int] = []
+        hidden: list[torch.Tensor] = []
+        advancing: list[int] = []
+        for row, (stream, budget) in enumerate(zip(batch, budget_ms, strict=True)):
+            if stream.finished or stream.closed:
+                continue
+            if stream.segment is None:
+                state = self._start_segment(stream, budget, outputs[row])
+                if state is not None:
+                    rows.append(row)
+                    hidden.append(state)
+            elif budget >= (len(stream.pending) + 1) * self.frame_ms:
+                if self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity:
+                    endings[row] = "max_duration"  # the context window is full: nothing more can follow
+                else:
+                    advancing.append(row)
+        if advancing:
+            slots = [_slot(batch[row]) for row in advancing]
+            last = torch.stack([_last_frame(batch[row]) for row in advancing])
+            hidden.append(self.frames.advance(slots, last))
+            rows.extend(advancing)
+        return rows, hidden
+
+    def _start_segment(self, stream: TalkerStream, budget: float, out: list[EngineOutput]) -> torch.Tensor | None:
+        """Begin the next text unit when credit allows; returns the prefill's last hidden state ``[1, hidden]``."""
+        while stream.pending_text and not stream.pending_text[0].strip():
+            stream.pending_text.pop(0)  # a blank unit has nothing to say
+        if not stream.pending_text:
+            if stream.input_done:
+                self._finish(stream, "completed", out)
+            return None
+        if budget < self.frame_ms:
+            return None
+        if stream.audio_frames >= stream.frame_limit:
+            self._finish(stream, "max_duration", out)
+            return None
+        slot = self._acquire(stream)
+        text = stream.pending_text.pop(0)
+        tokens = self.model.segments.encode(stream.params.voice, text)
+        embeddings = self.frames.embed_text(tokens)
+        if stream.has_context:
+            closing = self.frames.embed_frames(self.frames.end_of_audio())
+            embeddings = torch.cat((closing[None], embeddings))
+        elif stream.context:
+            embeddings = torch.cat((self._context_embeddings(stream.context), embeddings))
+            stream.context = ()
+        if self.frames.cache.length(slot) + embeddings.shape[0] > self.frames.cache.capacity:
+            self._finish(stream, "max_duration", out)
+            return None
+        cap = None
+        if self.segment_ms_per_char:
+            cap = max(1, frame_limit(len(text) * self.segment_ms_per_char, self.frame_ms))
+        stream.segment = Segment(index=stream.next_segment, text=text, frame_limit=cap)
+        stream.next_segment += 1
+        stream.silence.reset()
+        if stream.restart_ramp:
+            stream.chunk = 0
+            stream.restart_ramp = False
+        out.append(SegmentStarted(index=stream.segment.index, text=text))
+        stream.has_context = True
+        return self.frames.extend(slot, embeddings)
+
+    def _sample(
+        self, batch: list[TalkerStream], rows: list[int], hidden: list[torch.Tensor], endings: dict[int, StopReason]
+    ) -> None:
+        """Sample one frame for each of ``rows``; an all end-of-audio frame completes the segment."""
+        device = self.frames.device
+        codebooks = self.frames.num_codebooks
+        seeds = torch.tensor([batch[row].seed for row in rows], device=device)
+        counters = torch.tensor([batch[row].draws * codebooks for row in rows], device=device)
+        frames = self.frames.sample(torch.cat(hidden), seeds, counters)
+        is_end = (frames == self.frames.eos_id).all(dim=-1).tolist()
+        for k, row in enumerate(rows):
+            stream = batch[row]
+            segment = _segment(stream)
+            stream.draws += 1
+            if is_end[k]:
+                endings[row] = "completed"
+                continue
+            frame = frames[k]
+            stream.pending.append(frame)
+            stream.last_frame = frame
+            stream.audio_frames += 1
+            segment.frames += 1
+            if stream.audio_frames >= stream.frame_limit or segment.frames == segment.frame_limit:
+                endings[row] = "max_duration"
+
+    def _emit_audio(
+        self,
+        batch: list[TalkerStream],
+        budget_ms: Sequence[float],
+        outputs: list[list[EngineOutput]],
+        endings: dict[int, StopReason],
+    ) -> None:
+        """Decode the frames of every stream whose chunk is due, one codec call per chunk length."""
+        groups: dict[int, list[int]] = {}
+        for row, stream in enumerate(batch):
+            held = len(stream.pending)
+            if not held:
+                continue
+            full = held >= self.schedule.frames(stream.chunk)
+            starved = budget_ms[row] < (held + 1) * self.frame_ms
+            if full or starved or row in endings:
+                groups.setdefault(held, []).append(row)
+        for length, rows in groups.items():
+            codes = torch.stack([torch.stack(batch[row].pending, dim=-1) for row in rows])
+            audio = self.codec.decode(codes, [_slot(batch[row]) for row in rows]).clamp(-1.0, 1.0)
+            rms = audio.float().view(len(rows), length, -1).pow(2).mean(dim=-1).sqrt().cpu().tolist()
+            pcm = (audio.float() * 32767.0).round().to(torch.int16).cpu().numpy()
+            for k, row in enumerate(rows):
+                stream = batch[row]
+                stream.pending.clear()
+                stream.chunk += 1
+                index = _segment(stream).index
+                outputs[row].append(
+                    AudioChunk(segment_index=index, pcm=_le_bytes(pcm[k]), sample_rate=self.sample_rate)
+                )
+                if stream.silence.feed(rms[k]) and row not in endings:
+                    endings[row] = "silence"
+
+    def _end_segment(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
+        out.append(SegmentDone(index=_segment(stream).index, reason=reason))
+        stream.segment = None
+        stream.last_frame = None
+        stream.pending.clear()
+        # Silence, the utterance's duration cap and a full context window end the stream; a unit's own cap only it.
+        context_full = self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity
+        if reason == "silence" or stream.audio_frames >= stream.frame_limit or context_full:
+            self._finish(stream, reason, out)
+        elif not stream.pending_text:
+            if stream.input_done:
+                self._finish(stream, "completed", out)
+            else:
+                stream.restart_ramp = True
+
+
+def _talker_stream(stream: EngineStream) -> TalkerStream:
+    if not isinstance(stream, TalkerStream):
+        raise TypeError(f"the talker engine cannot serve {type(stream).__name__}")
+    return stream
+
+
+def _segment(stream: TalkerStream) -> Segment:
+    if stream.segment is None:
+        raise RuntimeError("stream has no segment in progress")
+    return stream.segment
+
+
+def _slot(stream: TalkerStream) -> int:
+    if stream.slot is None:
+        raise RuntimeError("stream holds no slot")
+    return stream.slot
+
+
+def _last_frame(stream: TalkerStream) -> torch.Tensor:
+    if stream.last_frame is None:
+        raise RuntimeError("stream has no frame to continue from")
+    return stream.last_frame
+
+
+def _le_bytes(samples: np.ndarray[Any, np.dtype[np.int16]]) -> bytes:
+    """Little-endian s16 bytes, whatever the host byte order."""
+    if sys.byteorder == "little":
+        return samples.tobytes()
+    return samples.byteswap().tobytes()

@@ -1,0 +1,41 @@
+"""Options of the talker engine (``omnigate serve --engine talker --engine-option KEY=VALUE``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+import torch
+
+DType = Literal["float32", "float64", "bfloat16", "float16"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Engine-wide settings; strings from the command line are converted to these types."""
+
+    max_sessions: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8  # KV and codec slots
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8  # streams per step
+    device: str = "cpu"
+    threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch CPU threads for the process; None: torch's
+    dtype: DType = "float32"  # backbone and depth decoder; the codec runs in float32 below that precision
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.9  # 0: greedy
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 50  # 0: no top-k
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0  # weights of presets and default stream seeds
+    chunk_first_frames: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    chunk_max_frames: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    max_context: Annotated[int, msgspec.Meta(ge=16)] | None = None  # tokens per stream; None: model's maximum
+    silence_dbfs: float = -40.0
+    silence_s: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    eos_bias: float = 0.0  # added to the end-of-audio logit of every codebook; > 0 shortens audio
+    # Cap each text unit's audio at this many ms per character (0: no cap). Random weights never choose to stop,
+    # so None means 60 (about speaking pace) for presets and no cap for checkpoints.
+    segment_ms_per_char: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    speakers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2  # voices "0".."speakers-1" (CSM speaker ids)
+    max_context_audio_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0  # reference audio per utterance

@@ -1,0 +1,58 @@
+"""The state of one talker utterance between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnigate.engines.base import EngineStream, SynthesisParams
+from omnigate.engines.talker.context import ContextSegment
+from omnigate.engines.talker.stopping import SilenceDetector
+
+
+@dataclass
+class Segment:
+    """The text unit being spoken: CSM generates it as one segment, with the earlier ones as context."""
+
+    index: int
+    text: str
+    frame_limit: int | None = None  # a cap on this unit's audio, if any
+    frames: int = 0
+
+
+class TalkerStream(EngineStream):
+    """One utterance: its slot, its segment, and the frames generated but not yet decoded to audio."""
+
+    def __init__(
+        self,
+        params: SynthesisParams,
+        *,
+        seed: int,
+        frame_limit: int,
+        silence: SilenceDetector,
+        context: tuple[ContextSegment, ...] = (),
+    ) -> None:
+        super().__init__(params)
+        self.seed = seed
+        self.context = context  # spoken before the first unit, then dropped
+        self.frame_limit = frame_limit
+        self.silence = silence
+        self.slot: int | None = None
+        self.segment: Segment | None = None
+        self.next_segment = 0
+        self.has_context = False  # something is in the KV cache: a new segment first closes the previous audio
+        self.last_frame: torch.Tensor | None = None  # [N] the frame the backbone reads next
+        self.pending: list[torch.Tensor] = []  # generated frames awaiting the codec
+        self.chunk = 0  # position in the chunk ramp
+        self.restart_ramp = False  # the stream ran out of text, so its client's buffer may have drained
+        self.audio_frames = 0
+        self.draws = 0  # frames sampled, end-of-audio frames included: the stream's noise counter
+        self.finished = False
+        self.closed = False
+
+    @property
+    def has_work(self) -> bool:
+        if self.finished or self.closed:
+            return False
+        return self.segment is not None or bool(self.pending_text) or self.input_done

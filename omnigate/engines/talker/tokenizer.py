@@ -1,0 +1,62 @@
+"""Text tokens of a CSM segment, and the byte-level tokenizer that shape presets use instead of a real one.
+
+CSM's prompt puts each segment's text as ``<bos>[speaker]text<eos>`` before that segment's audio frames (the
+layout of the Sesame reference generator and of the transformers chat template).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+AUDIO_TOKEN = "<|AUDIO|>"
+AUDIO_EOS_TOKEN = "<|audio_eos|>"
+BYTE_VOCAB_SIZE = 260  # 256 byte tokens, then bos, eos, audio, audio_eos
+
+
+def _byte_symbols() -> list[str]:
+    """The printable stand-in of each byte value, as byte-level BPE tokenizers spell them (GPT-2 layout)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def byte_level_tokenizer() -> Any:
+    """A tokenizer whose token id is the UTF-8 byte value (0-255), followed by CSM's four special tokens."""
+    vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    fast: Any = PreTrainedTokenizerFast
+    return fast(
+        tokenizer_object=core,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        additional_special_tokens=[AUDIO_TOKEN, AUDIO_EOS_TOKEN],
+    )
+
+
+class SegmentTokenizer:
+    """Turns a speaker and a text unit into the token ids of one CSM segment."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        if bos is None or eos is None:
+            raise ValueError("the talker tokenizer needs bos and eos tokens")
+        self._tokenizer = tokenizer
+        self.bos_id = int(bos)
+        self.eos_id = int(eos)
+
+    def encode(self, speaker: str, text: str) -> list[int]:
+        """``<bos>[speaker]text<eos>`` as ids."""
+        body = self._tokenizer.encode(f"[{speaker}]{text}", add_special_tokens=False)
+        return [self.bos_id, *(int(i) for i in body), self.eos_id]

@@ -1,0 +1,160 @@
+"""The streaming Mimi decoder equals a full ``MimiModel.decode``, for any chunking and for batched sessions."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import MimiConfig, MimiModel
+
+from omnigate.engines.codec.mimi_stream import MimiStreamDecoder, UnsupportedCodec
+from omnigate.engines.talker.model import randomize_codebooks
+
+CODEBOOKS = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small tensors run fastest on one thread, and a shared CPU makes extra threads spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_mimi(*, sliding_window: int, dtype: torch.dtype, seed: int = 0) -> Any:
+    config = MimiConfig(
+        hidden_size=64,
+        num_filters=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        codebook_dim=32,
+        vector_quantization_hidden_dimension=32,
+        upsample_groups=64,
+        num_quantizers=CODEBOOKS,
+        sliding_window=sliding_window,
+    )
+    torch.manual_seed(seed)
+    mimi: Any = MimiModel(config)
+    mimi.eval().to(dtype)
+    with torch.no_grad():
+        randomize_codebooks(mimi, torch.Generator().manual_seed(seed))
+    return mimi
+
+
+def full_decode(mimi: Any, codes: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        audio: torch.Tensor = mimi.decode(codes).audio_values
+    return audio[:, 0]
+
+
+def random_chunks(total: int, rng: random.Random) -> list[int]:
+    sizes: list[int] = []
+    while sum(sizes) < total:
+        sizes.append(min(rng.choice([1, 1, 2, 3, 4, 8]), total - sum(sizes)))
+    return sizes
+
+
+def stream_decode(decoder: MimiStreamDecoder, codes: torch.Tensor, sizes: list[int], slot: int) -> torch.Tensor:
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(decoder.decode(codes[..., start : start + size], [slot]))
+        start += size
+    return torch.cat(pieces, dim=-1)
+
+
+# A window shorter than the chunks and the stream exercises eviction from the key/value window; 250 is Mimi's own.
+@pytest.mark.parametrize(
+    ("dtype", "window", "tolerance"),
+    [(torch.float64, 5, 1e-10), (torch.float64, 250, 1e-10), (torch.float32, 5, 1e-4)],
+)
+def test_streaming_equals_full_decode_for_random_chunkings(dtype: torch.dtype, window: int, tolerance: float) -> None:
+    mimi = tiny_mimi(sliding_window=window, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 2048, (1, CODEBOOKS, 21), generator=gen)
+    reference = full_decode(mimi, codes)
+    rng = random.Random(7)
+    chunkings = [[1] * 21, [21], *(random_chunks(21, rng) for _ in range(3))]
+    decoder = MimiStreamDecoder(mimi, max_slots=3)
+    for sizes in chunkings:
+        decoder.reset(1)
+        streamed = stream_decode(decoder, codes, sizes, slot=1)
+        assert streamed.shape == reference.shape == (1, 21 * decoder.samples_per_frame)
+        torch.testing.assert_close(streamed, reference, rtol=0, atol=tolerance * reference.abs().max().item())
+
+
+def test_codes_matter_after_codebook_randomization() -> None:
+    mimi = tiny_mimi(sliding_window=250, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 2048, (1, CODEBOOKS, 4), generator=gen)
+    b = torch.randint(0, 2048, (1, CODEBOOKS, 4), generator=gen)
+    assert (full_decode(mimi, a) - full_decode(mimi, b)).abs().max() > 1e-3
+
+
+def test_interleaved_sessions_batched_together_each_equal_their_full_decode() -> None:
+    mimi = tiny_mimi(sliding_window=5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(0, 2048, (1, CODEBOOKS, 14), generator=gen)
+    second = torch.randint(0, 2048, (1, CODEBOOKS, 14), generator=gen)
+    decoder = MimiStreamDecoder(mimi, max_slots=4)
+    slots = {0: 3, 1: 0}
+    sources = {0: first, 1: second}
+    done = {0: 0, 1: 0}
+    pieces: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    # (frames of session 0, frames of session 1): equal counts decode in one batched call, others alone.
+    plan = [(1, 0), (0, 1), (2, 2), (1, 3), (4, 4), (2, 0), (3, 3), (0, 1), (1, 0)]
+    for sizes in plan:
+        same = sizes[0] == sizes[1]
+        groups = [[0, 1]] if same else [[s] for s in (0, 1) if sizes[s]]
+        for group in groups:
+            size = sizes[group[0]]
+            codes = torch.cat([sources[s][..., done[s] : done[s] + size] for s in group])
+            audio = decoder.decode(codes, [slots[s] for s in group])
+            for row, s in enumerate(group):
+                pieces[s].append(audio[row : row + 1])
+                done[s] += size
+    assert done == {0: 14, 1: 14}
+    for s in (0, 1):
+        reference = full_decode(mimi, sources[s])
+        torch.testing.assert_close(torch.cat(pieces[s], dim=-1), reference, rtol=0, atol=1e-10)
+
+
+def test_reset_slot_starts_a_new_stream() -> None:
+    mimi = tiny_mimi(sliding_window=5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    old = torch.randint(0, 2048, (1, CODEBOOKS, 6), generator=gen)
+    new = torch.randint(0, 2048, (1, CODEBOOKS, 5), generator=gen)
+    decoder = MimiStreamDecoder(mimi, max_slots=2)
+    decoder.decode(old, [1])
+    decoder.reset(1)
+    streamed = stream_decode(decoder, new, [2, 3], slot=1)
+    torch.testing.assert_close(streamed, full_decode(mimi, new), rtol=0, atol=1e-10)
+
+
+def test_decode_refuses_repeated_slots() -> None:
+    decoder = MimiStreamDecoder(tiny_mimi(sliding_window=5, dtype=torch.float32), max_slots=2)
+    with pytest.raises(ValueError, match="distinct slot"):
+        decoder.decode(torch.zeros(2, CODEBOOKS, 1, dtype=torch.long), [1, 1])
+
+
+def test_non_causal_codec_is_refused() -> None:
+    config = MimiConfig(
+        hidden_size=64,
+        num_filters=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        codebook_dim=32,
+        vector_quantization_hidden_dimension=32,
+        upsample_groups=64,
+        num_quantizers=CODEBOOKS,
+        use_causal_conv=False,
+    )
+    with pytest.raises(UnsupportedCodec):
+        MimiStreamDecoder(MimiModel(config), max_slots=1)
