@@ -1,0 +1,5 @@
+"""``omnigate-loadtest``: real clients against a running server, measuring TTFA, gaps, underruns and capacity.
+
+A client-side package: it imports no torch and no gateway, engine or model code, so it installs on a load-generating
+machine with the ``loadtest`` extra. ``omnigate.loadtest.cli`` is the entry point.
+"""

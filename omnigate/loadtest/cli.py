@@ -1,0 +1,354 @@
+"""``omnigate-loadtest``: measure TTFA, underruns and capacity of a speech server through its real transport.
+
+Usage::
+
+    omnigate-loadtest [run] [URL] [--target ws-speech] [--sessions 1,4,16 | --rate 2] [--duration 20] ...
+    omnigate-loadtest run URL --find-capacity --slo-ttfa-ms 100
+    omnigate-loadtest run --compare http://127.0.0.1:8000 ws://127.0.0.1:8765 --sessions 50 --rounds 2
+    omnigate-loadtest baseline --port 8765 [--rtf 1.0]
+
+``run`` is the default command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import sys
+from collections.abc import Coroutine, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+from rich.console import Console
+
+from omnigate.loadtest.arrivals import ArrivalModel, ClosedLoop, OpenLoop
+from omnigate.loadtest.baseline import BaselineSettings, run_baseline
+from omnigate.loadtest.corpus import load_corpus
+from omnigate.loadtest.metrics import process_exists
+from omnigate.loadtest.progress import ProgressDisplay, capacity_text, compare_table, summary_table
+from omnigate.loadtest.report import (
+    REPORT_VERSION,
+    CapacityReport,
+    CompareReport,
+    LevelReport,
+    LevelTraces,
+    LoadTestReport,
+    RunSettings,
+    TargetSpec,
+    consistency_problems,
+)
+from omnigate.loadtest.runner import (
+    LevelRun,
+    LevelSettings,
+    run_capacity_search,
+    run_comparison,
+    run_levels,
+)
+from omnigate.loadtest.targets import SessionSettings, Target, target_class, target_kinds
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+_SPEC_KEYS = frozenset({"label", "target", "url", "model", "voice"})
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError("session counts must be >= 1")
+    return values
+
+
+def _positive_floats(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return values
+
+
+def run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omnigate-loadtest run",
+        description="Drive real clients against a speech server and report TTFA, gaps, underruns and capacity.",
+        epilog="The transport baseline server: omnigate-loadtest baseline --help",
+    )
+    parser.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
+    target = parser.add_argument_group("target")
+    target.add_argument("--target", default="ws-speech", help=f"client kind: {', '.join(target_kinds())}")
+    target.add_argument("--model", help="model id sent to the server (server default when omitted)")
+    target.add_argument("--voice", help="voice sent to the server (server default when omitted)")
+    load = parser.add_argument_group("load")
+    load.add_argument(
+        "--sessions", type=_positive_ints, default=[1], help="closed loop: concurrent sessions, e.g. 1,4,16"
+    )
+    load.add_argument("--rate", type=_positive_floats, help="open loop: Poisson arrivals per second, e.g. 0.5,2")
+    load.add_argument("--max-in-flight", type=int, default=1000, help="open loop: client-side session cap")
+    load.add_argument("--duration", type=float, default=20.0, help="seconds new sessions start per level")
+    load.add_argument("--warmup", type=float, default=2.0, help="sessions started in the first seconds are ignored")
+    load.add_argument("--ramp", type=float, default=0.0, help="closed loop: spread session starts over seconds")
+    load.add_argument("--drain", type=float, default=15.0, help="seconds to let sessions finish after --duration")
+    load.add_argument("--seed", type=int, default=0, help="seed for texts and arrivals")
+    load.add_argument("--words-per-second", type=float, default=20.0, help="text pace; 0 sends each text at once")
+    load.add_argument("--utterances-per-session", type=int, default=1)
+    load.add_argument("--corpus", type=Path, help="a .txt file or folder of them (entries split by blank lines)")
+    load.add_argument("--utterance-timeout", type=float, default=60.0)
+    load.add_argument("--connect-timeout", type=float, default=10.0)
+    measure = parser.add_argument_group("measurement")
+    measure.add_argument("--jitter-ms", type=float, default=100.0, help="audio the simulated player buffers first")
+    measure.add_argument("--slo-ttfa-ms", type=float, default=100.0, help="p99 TTFA limit for pass/fail")
+    measure.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
+    measure.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    measure.add_argument(
+        "--server-pid", type=int, help="also sample this local server process's memory and CPU (psutil)"
+    )
+    modes = parser.add_argument_group("modes")
+    modes.add_argument("--find-capacity", action="store_true", help="search the largest N meeting the SLO")
+    modes.add_argument("--max-sessions", type=int, default=256, help="capacity search ceiling")
+    modes.add_argument(
+        "--capacity-tolerance", type=float, default=0.05, help="stop bisecting within this fraction of N"
+    )
+    modes.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="measure two targets alternately: each a URL or key=value pairs (label,target,url,model,voice)",
+    )
+    modes.add_argument("--rounds", type=int, default=2, help="--compare: alternating rounds per level")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", type=Path, help="write the JSON report here")
+    output.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    output.add_argument("--quiet", action="store_true", help="print nothing but problems")
+    return parser
+
+
+def baseline_parser() -> argparse.ArgumentParser:
+    defaults = BaselineSettings()
+    parser = argparse.ArgumentParser(
+        prog="omnigate-loadtest baseline",
+        description="Bare-websockets server speaking the speech stream with synthetic PCM (the transport limit).",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
+    parser.add_argument("--rtf", type=float, default=defaults.rtf, help="production time / audio time; 0 = flat out")
+    parser.add_argument("--first-chunk-ms", type=float, default=defaults.first_chunk_ms)
+    parser.add_argument("--chunk-ms", type=int, default=defaults.chunk_ms)
+    parser.add_argument("--ms-per-char", type=float, default=defaults.ms_per_char)
+    parser.add_argument("--sample-rate", type=int, default=defaults.sample_rate)
+    return parser
+
+
+def parse_target_spec(text: str, fallback: TargetSpec, label: str) -> TargetSpec:
+    """A ``--compare`` side: a bare URL, or ``key=value`` pairs separated by commas."""
+    if "=" not in text:
+        return msgspec.structs.replace(fallback, url=text, label=f"{label} {text}")
+    fields: dict[str, str] = {}
+    for pair in text.split(","):
+        key, _, value = pair.partition("=")
+        key = key.strip()
+        if key not in _SPEC_KEYS:
+            raise ValueError(f"unknown key {key!r} in {text!r}; use {', '.join(sorted(_SPEC_KEYS))}")
+        fields[key] = value.strip()
+    spec = msgspec.structs.replace(fallback, **fields)
+    if "label" not in fields:
+        spec = msgspec.structs.replace(spec, label=f"{label} {spec.url}")
+    return spec
+
+
+def _arrivals(args: argparse.Namespace) -> list[ArrivalModel]:
+    if args.rate:
+        return [OpenLoop(rate=rate, max_in_flight=args.max_in_flight) for rate in args.rate]
+    return [ClosedLoop(sessions=sessions, ramp_s=args.ramp) for sessions in args.sessions]
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.find_capacity and args.compare:
+        parser.error("--find-capacity and --compare are separate runs")
+    if args.find_capacity and args.rate:
+        parser.error("--find-capacity searches closed-loop concurrency; drop --rate")
+    if args.duration <= 0 or args.warmup < 0 or args.drain < 0 or args.ramp < 0:
+        parser.error("--duration must be > 0 and --warmup, --drain, --ramp >= 0")
+    if args.warmup >= args.duration:
+        parser.error("--warmup must be shorter than --duration")
+    if min(args.utterances_per_session, args.rounds, args.max_sessions, args.max_in_flight) < 1:
+        parser.error("--utterances-per-session, --rounds, --max-sessions and --max-in-flight must be >= 1")
+    if args.words_per_second < 0 or args.jitter_ms < 0:
+        parser.error("--words-per-second and --jitter-ms must be >= 0")
+    if args.metrics_interval <= 0:
+        parser.error("--metrics-interval must be > 0")
+    if args.server_pid is not None and not process_exists(args.server_pid):
+        parser.error(f"--server-pid {args.server_pid}: no such process on this machine")
+
+
+async def _run(args: argparse.Namespace, console: Console, errors: Console) -> int:
+    corpus = load_corpus(args.corpus)
+    session_settings = SessionSettings(
+        words_per_second=args.words_per_second,
+        utterance_timeout_s=args.utterance_timeout,
+        connect_timeout_s=args.connect_timeout,
+    )
+    level_settings = LevelSettings(
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        drain_s=args.drain,
+        seed=args.seed,
+        utterances_per_session=args.utterances_per_session,
+        jitter_ms=args.jitter_ms,
+        slo_ttfa_ms=args.slo_ttfa_ms,
+        metrics_interval_s=args.metrics_interval,
+        scrape_metrics=not args.no_metrics,
+        server_pid=args.server_pid,
+    )
+    main_spec = TargetSpec(label=args.target, target=args.target, url=args.url, model=args.model, voice=args.voice)
+    specs = [main_spec]
+    if args.compare:
+        specs = [parse_target_spec(text, main_spec, side) for text, side in zip(args.compare, "AB", strict=True)]
+    display = ProgressDisplay(errors, live=not args.quiet and errors.is_terminal, jitter_ms=args.jitter_ms)
+    levels: list[LevelReport] = []
+    capacity: CapacityReport | None = None
+    compare: CompareReport | None = None
+    async with AsyncExitStack() as stack:
+        targets: list[Target] = []
+        for spec in specs:
+            target = target_class(spec.target)(spec, session_settings)
+            await target.open()
+            stack.push_async_callback(target.close)
+            targets.append(target)
+        metrics_client = None
+        if not args.no_metrics:
+            metrics_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
+            stack.push_async_callback(metrics_client.aclose)
+
+        async def observe(level: LevelRun) -> tuple[LevelReport, LevelTraces]:
+            if args.quiet:
+                return await level.run(metrics_client)
+            return await display.observe(level, metrics_client)
+
+        if args.compare:
+            compare, levels = await run_comparison(
+                targets[0], targets[1], _arrivals(args), level_settings, corpus, observe, rounds=args.rounds
+            )
+        elif args.find_capacity:
+            capacity, levels = await run_capacity_search(
+                targets[0],
+                level_settings,
+                corpus,
+                observe,
+                max_sessions=args.max_sessions,
+                tolerance=args.capacity_tolerance,
+                ramp_s=args.ramp,
+            )
+        else:
+            levels = await run_levels(targets[0], _arrivals(args), level_settings, corpus, observe)
+    report = LoadTestReport(
+        version=REPORT_VERSION,
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        settings=RunSettings(
+            duration_s=args.duration,
+            warmup_s=args.warmup,
+            ramp_s=args.ramp,
+            drain_s=args.drain,
+            seed=args.seed,
+            words_per_second=args.words_per_second,
+            utterances_per_session=args.utterances_per_session,
+            jitter_ms=args.jitter_ms,
+            slo_ttfa_ms=args.slo_ttfa_ms,
+            utterance_timeout_s=args.utterance_timeout,
+            corpus=str(args.corpus) if args.corpus else "shipped",
+            corpus_entries=len(corpus),
+        ),
+        levels=levels,
+        capacity=capacity,
+        compare=compare,
+    )
+    return _finish(report, args, console, errors)
+
+
+def _finish(report: LoadTestReport, args: argparse.Namespace, console: Console, errors: Console) -> int:
+    if not args.quiet:
+        console.print(summary_table(report.levels))
+        if report.capacity is not None:
+            console.print(capacity_text(report.capacity))
+        if report.compare is not None:
+            console.print(compare_table(report.compare))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+        if not args.quiet:
+            console.print(f"report written to {args.out}")
+    if args.plots is not None:
+        from omnigate.loadtest.plots import write_plots
+
+        written = write_plots(report, args.plots)
+        if not args.quiet:
+            console.print(f"plots written: {', '.join(str(path) for path in written)}")
+    pooled = [side for level in report.compare.levels for side in (level.a, level.b)] if report.compare else []
+    problems = [
+        f"{level.target.label}: {problem}"
+        for level in report.levels + pooled
+        for problem in consistency_problems(level)
+    ]
+    for problem in problems:
+        errors.print(f"[red]report inconsistency[/red] {problem}")
+    return 1 if problems else 0
+
+
+def _event_loop_runner() -> asyncio.Runner:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+def _run_coroutine(coroutine: Coroutine[Any, Any, int]) -> int:
+    with _event_loop_runner() as runner:
+        return runner.run(coroutine)
+
+
+async def _baseline_until_stopped(args: argparse.Namespace) -> int:
+    settings = BaselineSettings(
+        sample_rate=args.sample_rate,
+        chunk_ms=args.chunk_ms,
+        ms_per_char=args.ms_per_char,
+        rtf=args.rtf,
+        first_chunk_ms=args.first_chunk_ms,
+    )
+    await run_baseline(args.host, args.port, settings)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``omnigate-loadtest`` console script."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["baseline"]:
+        baseline_args = baseline_parser().parse_args(arguments[1:])
+        return _run_coroutine(_baseline_until_stopped(baseline_args))
+    if arguments[:1] == ["run"]:
+        arguments = arguments[1:]
+    parser = run_parser()
+    args = parser.parse_args(arguments)
+    _validate(parser, args)
+    try:
+        target_class(args.target)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # Off a terminal rich assumes 80 columns, too narrow for the summary table.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    errors = Console(stderr=True)
+    try:
+        return _run_coroutine(_run(args, console, errors))
+    except KeyboardInterrupt:
+        errors.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

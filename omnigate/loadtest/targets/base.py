@@ -1,0 +1,65 @@
+"""What a load-test target is: something that runs one client session against a server and records its trace."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+
+from omnigate.loadtest.report import TargetSpec
+from omnigate.loadtest.traces import SessionTrace
+
+
+class SessionSettings(msgspec.Struct, frozen=True):
+    """How every session of a run behaves, whatever the target."""
+
+    words_per_second: float = 20.0
+    """Pace of streamed text; 0 sends each utterance's text in one message."""
+    utterance_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+
+
+class Target(abc.ABC):
+    """One kind of client. Subclasses set ``kind`` and implement :meth:`run_session`.
+
+    A target records into the :class:`SessionTrace` it is given and turns every failure it can classify into
+    ``trace.error(code)``; the runner ends the trace. Cancellation (the run is over) must propagate.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, spec: TargetSpec, settings: SessionSettings) -> None:
+        self.spec = spec
+        self.settings = settings
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Acquire resources shared by all sessions (connection pools)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what :meth:`open` acquired."""
+
+    @abc.abstractmethod
+    async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
+        """Run one session that speaks ``texts`` in order, one utterance each."""
+
+    def metrics_url(self) -> str:
+        """Where the server publishes Prometheus metrics."""
+        return http_url(self.spec.url, "/metrics")
+
+
+def http_url(url: str, path: str) -> str:
+    """``path`` on the server at ``url`` over HTTP(S), whatever scheme and path ``url`` has."""
+    parts = urlsplit(url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme or "http")
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
+
+
+def ws_url(url: str, default_path: str) -> str:
+    """A WebSocket URL for ``url``: ``http(s)`` becomes ``ws(s)``, and a bare host gets ``default_path``."""
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme or "ws")
+    path = parts.path if parts.path not in ("", "/") else default_path
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))

@@ -1,0 +1,253 @@
+"""The ``omnigate-loadtest`` CLI end to end: against the bare-websockets baseline and against the real gateway.
+
+Each test runs the installed console script for a couple of seconds and checks the JSON report: the counts add up,
+a server that produces audio faster than real time causes no underruns, and one that is slower than real time
+causes some. Nothing is asserted about how long anything took.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from omnigate.gateway.settings import Settings
+from omnigate.loadtest.baseline import split_units
+from omnigate.loadtest.corpus import load_corpus, pick_texts
+from omnigate.loadtest.report import LevelReport, LoadTestReport, consistency_problems
+from tests.serving import RunningServer, serve
+
+pytestmark = pytest.mark.integration
+
+LOADTEST = str(Path(sys.executable).with_name("omnigate-loadtest"))
+SHORT_TEXTS = """\
+The bus is late again today.
+
+Please call me back after lunch.
+
+We found a table by the window.
+
+Thanks, that was really helpful!
+
+Is the library open on Sundays?
+
+The coffee here is surprisingly good.
+"""
+# Generous, so a busy CI machine cannot starve a faster-than-real-time stream at its start.
+JITTER_MS = "200"
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "short.txt"
+    path.write_text(SHORT_TEXTS, encoding="utf-8")
+    return path
+
+
+class Baseline:
+    """``omnigate-loadtest baseline`` in a child process on a port the system picked."""
+
+    def __init__(self, rtf: float) -> None:
+        self.process = subprocess.Popen(
+            [LOADTEST, "baseline", "--port", "0", "--rtf", str(rtf)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.startswith("listening on "):
+            self.stop()
+            raise RuntimeError(f"the baseline did not start: {line!r}")
+        self.url = line.removeprefix("listening on ").strip()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.communicate(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def fast_baseline() -> Iterator[Baseline]:
+    baseline = Baseline(rtf=0.1)
+    yield baseline
+    baseline.stop()
+
+
+@pytest.fixture(scope="module")
+def fast_gateway() -> Iterator[RunningServer]:
+    with serve(Settings(engine="synthetic", model="rtf=0.1")) as server:
+        yield server
+
+
+def run_cli(tmp_path: Path, corpus: Path, *args: str) -> LoadTestReport:
+    out = tmp_path / "report.json"
+    command = [
+        LOADTEST,
+        *args,
+        "--corpus",
+        str(corpus),
+        "--words-per-second",
+        "50",
+        "--jitter-ms",
+        JITTER_MS,
+        "--drain",
+        "30",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    report = msgspec.json.decode(out.read_bytes(), type=LoadTestReport)
+    for level in report.levels:
+        assert consistency_problems(level) == [], level.target.label
+    return report
+
+
+def assert_clean(level: LevelReport) -> None:
+    """Every measured session and utterance completed, with audio, no errors and no underruns."""
+    assert level.errors == {}, level.error_examples
+    assert level.sessions.measured > 0
+    assert level.sessions.completed == level.sessions.measured
+    assert level.utterances.completed == level.utterances.total > 0
+    assert level.ttfa_ms.count == level.utterances.completed
+    assert level.underruns == 0
+    assert level.stalled_ms == 0.0
+
+
+def test_fast_baseline_has_no_underruns_and_delivers_all_the_audio(
+    tmp_path: Path, corpus_file: Path, fast_baseline: Baseline
+) -> None:
+    report = run_cli(
+        tmp_path, corpus_file, "run", fast_baseline.url, "--sessions", "2", "--duration", "2", "--warmup", "0.5"
+    )
+    (level,) = report.levels
+    assert_clean(level)
+    assert level.metrics_error is not None, "the baseline serves no /metrics"
+    # The baseline answers 60 ms of 24 kHz audio per character of each sentence: check every byte arrived.
+    corpus = load_corpus(corpus_file)
+    for session in level.session_records:
+        (text,) = pick_texts(corpus, 1, seed=0, session_id=session.id)
+        units, rest = split_units(text + " ", 120)
+        expected = sum(round(len(unit) * 60 * 24) * 2 for unit in [*units, rest.strip()] if unit)
+        assert session.utterances[0].bytes == expected
+        assert session.utterances[0].units == len([u for u in [*units, rest.strip()] if u])
+
+
+def test_baseline_slower_than_real_time_underruns(tmp_path: Path, corpus_file: Path) -> None:
+    baseline = Baseline(rtf=1.5)
+    try:
+        report = run_cli(tmp_path, corpus_file, baseline.url, "--sessions", "1", "--duration", "1", "--warmup", "0")
+    finally:
+        baseline.stop()
+    (level,) = report.levels
+    assert level.errors == {}
+    assert level.utterances.completed >= 1
+    assert level.underruns > 0
+    assert level.stalled_ms > 0
+    assert not level.slo.passed
+
+
+@pytest.mark.parametrize("target", ["ws-speech", "http-speech"])
+def test_gateway_with_a_fast_synthetic_engine_has_no_underruns(
+    tmp_path: Path, corpus_file: Path, fast_gateway: RunningServer, target: str
+) -> None:
+    report = run_cli(
+        tmp_path,
+        corpus_file,
+        fast_gateway.http_url,
+        "--target",
+        target,
+        "--sessions",
+        "2",
+        "--duration",
+        "2",
+        "--warmup",
+        "0.5",
+    )
+    (level,) = report.levels
+    assert_clean(level)
+    assert level.metrics_error is None
+    names = {series.name for series in level.server_metrics}
+    assert f'omnigate_sessions_active{{transport="{target}"}}' in names
+    generated = next(s for s in level.server_metrics if s.name.startswith("omnigate_engine_generated_audio_seconds"))
+    assert generated.delta > 0
+
+
+def test_gateway_with_a_slowed_synthetic_engine_underruns(tmp_path: Path, corpus_file: Path) -> None:
+    with serve(Settings(engine="synthetic", model="rtf=1.5")) as slow:
+        report = run_cli(tmp_path, corpus_file, slow.http_url, "--sessions", "1", "--duration", "1", "--warmup", "0")
+    (level,) = report.levels
+    assert level.errors == {}
+    assert level.utterances.completed >= 1
+    assert level.underruns > 0
+    assert not level.slo.passed
+
+
+def test_compare_alternates_the_two_targets_and_reports_ratios(
+    tmp_path: Path, corpus_file: Path, fast_baseline: Baseline, fast_gateway: RunningServer
+) -> None:
+    plots = tmp_path / "plots"
+    report = run_cli(
+        tmp_path,
+        corpus_file,
+        "--compare",
+        f"label=gateway,url={fast_gateway.http_url}",
+        f"label=baseline,url={fast_baseline.url}",
+        "--rounds",
+        "2",
+        "--sessions",
+        "1",
+        "--duration",
+        "1.5",
+        "--warmup",
+        "0",
+        "--plots",
+        str(plots),
+    )
+    assert report.compare is not None
+    assert [(level.target.label, level.round) for level in report.levels] == [
+        ("gateway", 0),
+        ("baseline", 0),
+        ("baseline", 1),
+        ("gateway", 1),
+    ]
+    (compared,) = report.compare.levels
+    for pooled in (compared.a, compared.b):
+        assert consistency_problems(pooled) == []
+    rounds = [level for level in report.levels if level.target.label == "gateway"]
+    assert compared.a.utterances.completed == sum(level.utterances.completed for level in rounds)
+    assert compared.ratios["ttfa_p50"] is not None and compared.ratios["ttfa_p50"] > 0
+    assert len(compared.round_ratios) == 2
+    written = sorted(path.name for path in plots.iterdir())
+    assert written == ["throughput.png", "ttfa_cdf.png", "ttfa_underruns_vs_load.png"]
+    assert all((plots / name).read_bytes().startswith(b"\x89PNG") for name in written)
+
+
+def test_find_capacity_stops_at_the_ceiling_when_every_level_passes(
+    tmp_path: Path, corpus_file: Path, fast_baseline: Baseline
+) -> None:
+    report = run_cli(
+        tmp_path,
+        corpus_file,
+        fast_baseline.url,
+        "--find-capacity",
+        "--max-sessions",
+        "4",
+        "--slo-ttfa-ms",
+        "5000",
+        "--duration",
+        "1.5",
+        "--warmup",
+        "0",
+    )
+    assert report.capacity is not None
+    result = report.capacity.result
+    assert [level for level, _ in result.tried] == [1, 2, 4]
+    assert result.capacity == 4
+    assert result.ceiling_reached
+    assert [level.slo.passed for level in report.levels] == [True, True, True]

@@ -1,0 +1,255 @@
+"""Traces to report: TTFA reference, warm-up exclusion, counts that add up, JSON round trip."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from omnigate.loadtest.arrivals import ClosedLoop
+from omnigate.loadtest.report import (
+    REPORT_VERSION,
+    LevelReport,
+    LevelTraces,
+    LoadTestReport,
+    RunSettings,
+    TargetSpec,
+    comparison_ratios,
+    consistency_problems,
+    summarize_level,
+)
+from omnigate.loadtest.traces import SessionTrace, UtteranceTrace
+
+SPEC = TargetSpec(label="ws-speech", target="ws-speech", url="ws://127.0.0.1:1")
+CHUNK_BYTES = 1920  # 40 ms at 24 kHz
+
+
+def stream_text(utterance: UtteranceTrace, start_s: float, words_per_second: float) -> float:
+    """Record the text as sent word by word; returns when the last word left."""
+    sent = 0
+    now_s = start_s
+    for index, word in enumerate(utterance.text.split(" ")):
+        piece = word if index == len(utterance.text.split(" ")) - 1 else word + " "
+        sent += len(piece)
+        now_s = start_s + index / words_per_second
+        utterance.text_sent(now_s, sent)
+    return now_s
+
+
+def receive_audio(utterance: UtteranceTrace, first_s: float, chunks: int, every_s: float = 0.04) -> float:
+    for index in range(chunks):
+        utterance.audio(first_s + index * every_s, CHUNK_BYTES)
+    return first_s + (chunks - 1) * every_s
+
+
+def completed_session(session_id: int, start_s: float, gap_s: float = 0.0) -> SessionTrace:
+    trace = SessionTrace(session_id, start_s)
+    trace.connected(start_s + 0.002)
+    utterance = trace.begin_utterance(start_s + 0.002, "Hello there. How are you today?")
+    stream_text(utterance, start_s + 0.002, words_per_second=10.0)
+    utterance.unit_started("Hello there.", 24_000)
+    # "there. " was the second word, sent 0.1 s after the first; first audio 30 ms after that.
+    last = receive_audio(utterance, start_s + 0.002 + 0.1 + 0.03, chunks=10)
+    utterance.unit_started("How are you today?", 24_000)
+    last = receive_audio(utterance, last + 0.04 + gap_s, chunks=10)
+    utterance.finish(last + 0.001, "completed")
+    trace.end(last + 0.002)
+    return trace
+
+
+def build_level() -> tuple[LevelReport, list[SessionTrace]]:
+    traces = [
+        completed_session(0, start_s=100.0),  # inside the 1 s warm-up: not measured
+        completed_session(1, start_s=101.5),
+        completed_session(2, start_s=101.6, gap_s=1.0),  # one underrun
+    ]
+    failed = SessionTrace(3, 102.0)
+    failed.error("http_503", "busy")
+    failed.end(102.01)
+    cut = SessionTrace(4, 103.0)
+    cut.connected(103.001)
+    running = cut.begin_utterance(103.001, "Still talking.")
+    running.text_sent(103.001, 14)
+    running.audio(103.05, CHUNK_BYTES)
+    cut.cut_off(104.0)
+    traces += [failed, cut]
+    report = summarize_level(
+        [LevelTraces(traces, 100.0, 5.0)],
+        target=SPEC,
+        arrival=ClosedLoop(sessions=2),
+        round_index=None,
+        duration_s=4.0,
+        warmup_s=1.0,
+        jitter_ms=100.0,
+        slo_ttfa_ms=100.0,
+        client_cpu_percent=12.0,
+        server_metrics=[],
+        metrics_error=None,
+    )
+    return report, traces
+
+
+def test_ttfa_runs_from_the_end_of_the_first_unit_sent_to_the_first_audio_byte() -> None:
+    trace = completed_session(0, start_s=0.0)
+    assert trace.utterances[0].ttfa_ms() == pytest.approx(30.0)
+
+
+def test_ttfa_reference_survives_whitespace_normalization_by_the_server() -> None:
+    utterance = UtteranceTrace(0, "One  two.   Three four.", started_s=0.0)
+    for index, sent in enumerate((5, 11, 17, 23)):
+        utterance.text_sent(float(index), sent)
+    utterance.unit_started("One two.", 24_000)
+    utterance.audio(1.25, CHUNK_BYTES)
+    assert utterance.ttfa_reference_s() == 1.0
+    assert utterance.ttfa_ms() == pytest.approx(250.0)
+
+
+def test_without_unit_text_the_reference_is_the_whole_text_sent() -> None:
+    utterance = UtteranceTrace(0, "abc", started_s=0.0)
+    utterance.text_sent(2.0, 3)
+    utterance.audio(2.5, CHUNK_BYTES)
+    assert utterance.ttfa_ms() == pytest.approx(500.0)
+
+
+def test_session_that_ends_mid_utterance_is_failed_with_a_code() -> None:
+    trace = SessionTrace(0, 0.0)
+    trace.begin_utterance(0.0, "Hi.")
+    trace.end(1.0)
+    assert trace.status == "failed"
+    assert trace.errors == {"utterance_incomplete": 1}
+    assert trace.utterances[0].status == "failed"
+
+
+def test_level_counts_add_up_and_warm_up_is_excluded() -> None:
+    report, _ = build_level()
+    assert report.sessions.started == 5
+    assert report.sessions.warmup == 1
+    assert report.sessions.measured == 4
+    assert (report.sessions.completed, report.sessions.failed, report.sessions.cut_off) == (2, 1, 1)
+    assert report.utterances.total == 3
+    assert (report.utterances.completed, report.utterances.cut_off) == (2, 1)
+    assert report.ttfa_ms.count == 2
+    assert report.ttfa_ms.p50 == pytest.approx(30.0)
+    assert report.underruns == 1
+    assert report.utterances.with_underruns == 1
+    assert report.errors == {"http_503": 1}
+    assert report.error_examples == {"http_503": "busy"}
+    assert report.bytes == 2 * 20 * CHUNK_BYTES
+    assert report.audio_s == pytest.approx(2 * 20 * 0.04)
+    assert not report.slo.passed
+    assert consistency_problems(report) == []
+
+
+def test_slo_passes_only_without_errors_and_underruns_and_with_low_ttfa() -> None:
+    traces = [completed_session(i, start_s=0.1 * i) for i in range(3)]
+    report = summarize_level(
+        [LevelTraces(traces, 0.0, 2.0)],
+        target=SPEC,
+        arrival=ClosedLoop(sessions=3),
+        round_index=None,
+        duration_s=2.0,
+        warmup_s=0.0,
+        jitter_ms=100.0,
+        slo_ttfa_ms=100.0,
+        client_cpu_percent=None,
+        server_metrics=[],
+        metrics_error=None,
+    )
+    assert report.slo.passed, report.slo.reasons
+    strict = summarize_level(
+        [LevelTraces(traces, 0.0, 2.0)],
+        target=SPEC,
+        arrival=ClosedLoop(sessions=3),
+        round_index=None,
+        duration_s=2.0,
+        warmup_s=0.0,
+        jitter_ms=100.0,
+        slo_ttfa_ms=30.0,
+        client_cpu_percent=None,
+        server_metrics=[],
+        metrics_error=None,
+    )
+    assert not strict.slo.passed
+    assert "p99 TTFA" in strict.slo.reasons[0]
+
+
+def test_throughput_series_covers_every_second_and_sums_to_the_audio_received() -> None:
+    report, traces = build_level()
+    assert [point.second for point in report.throughput] == list(range(5))
+    total_bytes = sum(u.bytes for t in traces for u in t.utterances)
+    assert sum(point.bytes for point in report.throughput) == total_bytes
+    # Session 0 is open from 100.0 to about 100.93 s, session 1 from 101.5 s: second 1 holds half of session 1.
+    assert report.throughput[0].mean_active_sessions == pytest.approx(traces[0].ended_s - 100.0)  # type: ignore[operator]
+    open_seconds = sum(point.mean_active_sessions for point in report.throughput)
+    expected = sum(min(t.ended_s or 105.0, 105.0) - t.started_s for t in traces)
+    assert open_seconds == pytest.approx(expected)
+
+
+def test_tampered_counts_are_detected() -> None:
+    report, _ = build_level()
+    broken = msgspec.structs.replace(
+        report,
+        underruns=report.underruns + 1,
+        sessions=msgspec.structs.replace(report.sessions, completed=report.sessions.completed + 1),
+        errors={"http_503": 2},
+    )
+    problems = consistency_problems(broken)
+    assert any("underruns" in p for p in problems)
+    assert any("measured != completed" in p for p in problems)
+    assert any("errors by code" in p for p in problems)
+
+
+def test_pooling_runs_adds_their_samples() -> None:
+    single, traces = build_level()
+    pooled = summarize_level(
+        [LevelTraces(traces, 100.0, 5.0), LevelTraces(traces, 100.0, 5.0)],
+        target=SPEC,
+        arrival=ClosedLoop(sessions=2),
+        round_index=None,
+        duration_s=8.0,
+        warmup_s=1.0,
+        jitter_ms=100.0,
+        slo_ttfa_ms=100.0,
+        client_cpu_percent=None,
+        server_metrics=[],
+        metrics_error=None,
+    )
+    assert pooled.ttfa_ms.count == 2 * single.ttfa_ms.count
+    assert pooled.underruns == 2 * single.underruns
+    assert pooled.throughput == []
+    assert consistency_problems(pooled) == []
+
+
+def test_comparison_ratios_are_b_over_a() -> None:
+    a, _ = build_level()
+    b = msgspec.structs.replace(
+        a, ttfa_ms=msgspec.structs.replace(a.ttfa_ms, p50=(a.ttfa_ms.p50 or 0) * 2), underruns=0
+    )
+    ratios = comparison_ratios(a, b)
+    assert ratios["ttfa_p50"] == pytest.approx(2.0)
+    assert ratios["underruns"] == 0.0
+    assert comparison_ratios(b, a)["underruns"] is None
+
+
+def test_report_round_trips_through_json() -> None:
+    level, _ = build_level()
+    report = LoadTestReport(
+        version=REPORT_VERSION,
+        created_at="2025-01-01T00:00:00+00:00",
+        settings=RunSettings(
+            duration_s=4.0,
+            warmup_s=1.0,
+            ramp_s=0.0,
+            drain_s=5.0,
+            seed=0,
+            words_per_second=10.0,
+            utterances_per_session=1,
+            jitter_ms=100.0,
+            slo_ttfa_ms=100.0,
+            utterance_timeout_s=60.0,
+            corpus="shipped",
+            corpus_entries=50,
+        ),
+        levels=[level],
+    )
+    decoded = msgspec.json.decode(msgspec.json.encode(report), type=LoadTestReport)
+    assert decoded == report
