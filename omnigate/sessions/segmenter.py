@@ -14,7 +14,10 @@ Rules, in order of precedence:
   arrived (normally the next non-space character), so the units do not depend on how the text was chunked: with
   the clock standing still, pushing a text in one piece or one character at a time gives the same units.
 * **Sentence boundaries**: a run of ``. ! ? …`` (also ``‼ ⁇ ⁈ ⁉ ؟ ۔ । ॥``), then closing quotes/brackets, then
-  whitespace, then a character that is not a lowercase letter. A lone ``.`` is also no boundary after an
+  whitespace, then a character that is not a lowercase letter. A plain ``!``/``?`` run, or one ``.`` after an
+  ordinary word, followed by whitespace is a boundary at once, whatever comes next: TTFA does not wait for the next
+  word. Only the ambiguous cases below (and closing quotes, where a dialogue tag may follow) wait for it.
+  A lone ``.`` is also no boundary after an
   abbreviation (``Dr. Mr. Mrs. Ms. Prof. St. Jr. Sr. vs. etc. Inc. Ltd. Co. Fig. approx.`` and a few more;
   ``No. p. pp. vol.`` only before a digit, since "no." often ends a sentence), a single capital initial ("J. Smith"),
   dotted initials ("U.S. e.g. i.e. a.m."), or a list number at the start of a line ("1. First"). No whitespace after
@@ -332,6 +335,9 @@ class TextSegmenter:
             return _WAIT
         if not text[content_end].isspace():
             return _keep(content_end)
+        if char in _LATIN_TERMINATORS and self._definite(text, start, mark_end, content_end):
+            # Nothing that follows can undo this boundary: release it now rather than after the next word arrives.
+            return _split(content_end, content_end + 1)
         cut = self._skip_space(text, content_end)
         if cut == len(text):
             return _WAIT
@@ -341,6 +347,28 @@ class TextSegmenter:
         if not line_break and self._continues(text, start, mark_end, text[cut]):
             return _keep(cut)
         return _split(content_end, cut)
+
+    def _definite(self, text: str, start: int, mark_end: int, content_end: int) -> bool:
+        """Whether the marks ``text[start:mark_end]`` end a sentence whatever the next word is: a plain ``!``/``?``
+        run, or one ``.`` after an ordinary word. Ellipses, closing quotes (a dialogue tag may follow) and a period
+        after an abbreviation, an initial or a list number wait for the next word."""
+        if content_end != mark_end:
+            return False
+        marks = text[start:mark_end]
+        if set(marks) <= {"!", "?"}:
+            return True
+        if marks != ".":
+            return False
+        word_start = start
+        while word_start > 0 and not text[word_start - 1].isspace():
+            word_start -= 1
+        word = text[word_start:start].lstrip(_OPENERS)
+        key = word.casefold()
+        if not word or key in _ABBREVIATIONS or key in _NUMBER_ABBREVIATIONS:
+            return False
+        if (len(word) == 1 and word.isupper()) or _DOTTED_INITIALS.fullmatch(word):
+            return False
+        return not (word.isdecimal() and len(word) <= 3 and self._starts_line(text, word_start))
 
     def _continues(self, text: str, start: int, mark_end: int, follower: str) -> bool:
         """Whether the sentence goes on past the marks ``text[start:mark_end]`` given the next word's first char."""

@@ -150,7 +150,8 @@ CLAUSE = SegmenterConfig(granularity="clause")
             SENTENCE,
             ["Visit example.com today. ", "Mail a.b@c.io now."],
         ),
-        ("It works. then it stops.", SENTENCE, ["It works. then it stops."]),
+        ("It works. then it stops.", SENTENCE, ["It works. ", "then it stops."]),
+        ("He said \"Stop!\" and left.", SENTENCE, ["He said \"Stop!\" and left."]),
         ("Wait... what? Ok.", SENTENCE, ["Wait... what? ", "Ok."]),
         ("Wait... What?", SENTENCE, ["Wait... ", "What?"]),
         ('He said "Stop." Then he left.', SENTENCE, ['He said "Stop." ', "Then he left."]),
@@ -183,13 +184,16 @@ def test_cjk_marks_split_at_once_without_flush() -> None:
     assert segmenter.buffered == ""
 
 
-def test_a_sentence_is_released_when_the_next_word_arrives() -> None:
+def test_a_plain_sentence_is_released_by_its_whitespace_an_ambiguous_one_by_the_next_word() -> None:
     segmenter = TextSegmenter()
     assert segmenter.push("Hello world.", 0.0) == []
-    assert segmenter.push(" ", 0.0) == []
-    assert segmenter.push("Dr", 0.0) == ["Hello world. "]
-    assert segmenter.push(". Smith", 0.0) == []
-    assert segmenter.flush() == ["Dr. Smith"]
+    assert segmenter.push(" ", 0.0) == ["Hello world. "]
+    assert segmenter.push("Dr", 0.0) == []
+    assert segmenter.push(". ", 0.0) == []  # "Dr." may go on ("Dr. Smith"): wait for the next word
+    assert segmenter.push("Smith left! ", 0.0) == ["Dr. Smith left! "]
+    assert segmenter.push("Ask Mr. ", 0.0) == []
+    assert segmenter.push("Brown.", 0.0) == []
+    assert segmenter.flush() == ["Ask Mr. Brown."]
 
 
 def test_whitespace_only_remainder_stays_buffered_after_flush() -> None:
