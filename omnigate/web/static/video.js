@@ -1,0 +1,161 @@
+// The video viewer: one WebSocket to /v1/realtime/video, reused for each generation; fragmented MP4 into MSE.
+"use strict";
+
+const ENDPOINT = "/v1/realtime/video";
+const FIELDS = ["width", "height", "num_frames", "fps", "steps", "seed"];
+const $ = (id) => document.getElementById(id);
+
+let socket = null;
+let generation = null; // {createdAt, expectedFrames, segments, queue, binaryCount, done, mediaSource, sourceBuffer}
+
+function setState(text) {
+  $("state").textContent = text;
+}
+
+function setBusy(busy) {
+  $("generate").disabled = busy;
+  $("cancel").disabled = !busy;
+}
+
+function connect() {
+  if (socket && socket.readyState === WebSocket.OPEN) return Promise.resolve(socket);
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  // A client secret may come in the page's own URL (?token=...), since a browser cannot set WebSocket headers.
+  const token = new URLSearchParams(location.search).get("token");
+  const query = token ? `?token=${encodeURIComponent(token)}` : "";
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(`${scheme}://${location.host}${ENDPOINT}${query}`);
+    ws.binaryType = "arraybuffer";
+    ws.onopen = () => {
+      socket = ws;
+      resolve(ws);
+    };
+    ws.onerror = () => reject(new Error("could not connect to " + ENDPOINT));
+    ws.onmessage = (message) => {
+      if (typeof message.data === "string") onEvent(JSON.parse(message.data));
+      else onSegment(message.data);
+    };
+    ws.onclose = (event) => {
+      socket = null;
+      if (generation && !generation.done) {
+        $("error").textContent = `connection closed (${event.code} ${event.reason})`;
+        finish();
+      }
+    };
+  });
+}
+
+function onEvent(event) {
+  if (event.type === "video.start") {
+    startPlayback(event);
+  } else if (event.type === "video.done") {
+    if (!generation) return;
+    generation.done = true;
+    const stats = event.stats || {};
+    setState(event.status === "completed" ? "done" : event.status);
+    if (event.error) $("error").textContent = event.error;
+    $("frames").textContent = `${event.frames} of ${generation.expectedFrames}` +
+      (stats.total_ms ? ` in ${(stats.total_ms / 1000).toFixed(1)} s` : "");
+    pump();
+    finish();
+  } else if (event.type === "error") {
+    $("error").textContent = `${event.code}: ${event.message}`;
+    if (generation && !generation.started) {
+      generation = null;
+      setBusy(false);
+      setState("idle");
+    }
+  }
+}
+
+function startPlayback(event) {
+  if (!generation) return;
+  generation.started = true;
+  generation.expectedFrames = event.num_frames;
+  setState(`generating ${event.width}x${event.height}, ${event.num_frames} frames at ${event.fps} fps`);
+  if (!window.MediaSource || !MediaSource.isTypeSupported(event.mime)) {
+    $("error").textContent = `this browser cannot play ${event.mime}; the stream is still kept for download`;
+    return;
+  }
+  const mediaSource = new MediaSource();
+  generation.mediaSource = mediaSource;
+  const player = $("player");
+  player.src = URL.createObjectURL(mediaSource);
+  mediaSource.addEventListener("sourceopen", () => {
+    const sourceBuffer = mediaSource.addSourceBuffer(event.mime);
+    sourceBuffer.addEventListener("updateend", pump);
+    generation.sourceBuffer = sourceBuffer;
+    pump();
+  }, { once: true });
+}
+
+function onSegment(data) {
+  if (!generation) return;
+  generation.binaryCount += 1;
+  generation.segments.push(data);
+  generation.queue.push(data);
+  generation.bytes += data.byteLength;
+  $("bytes").textContent = `${(generation.bytes / 1024).toFixed(1)} KiB`;
+  // The first binary message is the init segment; the second holds the first frame.
+  if (generation.binaryCount === 2) {
+    $("ttff").textContent = `${Math.round(performance.now() - generation.createdAt)} ms`;
+    $("player").play().catch(() => {});
+  }
+  pump();
+}
+
+function pump() {
+  const g = generation;
+  if (!g || !g.sourceBuffer || g.sourceBuffer.updating) return;
+  if (g.queue.length > 0) {
+    g.sourceBuffer.appendBuffer(g.queue.shift());
+  } else if (g.done && g.mediaSource.readyState === "open") {
+    g.mediaSource.endOfStream();
+  }
+}
+
+function finish() {
+  const g = generation;
+  if (g && g.segments.length > 0) {
+    const link = $("download");
+    if (link.href) URL.revokeObjectURL(link.href);
+    link.href = URL.createObjectURL(new Blob(g.segments, { type: "video/mp4" }));
+    link.hidden = false;
+  }
+  setBusy(false);
+}
+
+async function generate() {
+  $("error").textContent = "";
+  $("ttff").textContent = "–";
+  $("frames").textContent = "–";
+  $("bytes").textContent = "–";
+  $("download").hidden = true;
+  const request = { type: "video.create", prompt: $("prompt").value };
+  for (const name of FIELDS) {
+    const value = $(name).value.trim();
+    if (value !== "") request[name] = Number(value);
+  }
+  setBusy(true);
+  setState("connecting");
+  let ws;
+  try {
+    ws = await connect();
+  } catch (error) {
+    $("error").textContent = error.message;
+    setBusy(false);
+    setState("idle");
+    return;
+  }
+  generation = {
+    createdAt: performance.now(), expectedFrames: 0, segments: [], queue: [], bytes: 0, binaryCount: 0,
+    started: false, done: false, mediaSource: null, sourceBuffer: null,
+  };
+  setState("denoising");
+  ws.send(JSON.stringify(request));
+}
+
+$("generate").addEventListener("click", generate);
+$("cancel").addEventListener("click", () => {
+  if (socket) socket.send(JSON.stringify({ type: "video.cancel" }));
+});
