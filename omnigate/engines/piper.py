@@ -107,6 +107,9 @@ class PiperEngine(Engine):
         session_options = onnxruntime.SessionOptions()
         session_options.intra_op_num_threads = 1
         session_options.inter_op_num_threads = 1
+        # Without the arena, buffers go back to the allocator after each run: a voice's memory stays flat whatever
+        # sentence lengths it has seen, instead of keeping the high-water mark of the longest one.
+        session_options.enable_cpu_mem_arena = False
         session = onnxruntime.InferenceSession(
             str(model_path), sess_options=session_options, providers=["CPUExecutionProvider"]
         )

@@ -11,6 +11,12 @@ runnable, so a stalled client costs no engine time.
 Deadlines: a stream's deadline is when its client would run out of audio: ``opened + ttfa_target`` before the first
 chunk, ``first_chunk + produced`` after it. Each step serves the earliest deadlines first up to the batch size, so
 under contention the engine generates just in time and with spare capacity everyone runs flat out.
+
+Faults: workers are supervised. A step that raises fails the streams of its batch with a typed ``StreamDone``; a
+worker that dies (anything escaping the step or its bookkeeping) fails its in-flight batch the same way and restarts
+after a short backoff; a step that runs past ``step_timeout_s`` has its streams failed at once by a watchdog thread
+(their slots stay held until the engine returns). :attr:`EnginePool.healthy` turns false after
+``failure_threshold`` failed steps in a row or while a step is overdue, and true again after a good step.
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ class PoolClosed(Exception):
     """The pool is shutting down and admits nothing."""
 
 
+StepObserver = Callable[[float, int], None]
+"""Called on the scheduler thread after each step with its duration in seconds and its batch size."""
+
+# A crashed worker waits this long before serving again, doubling per crash in a row up to the cap.
+_RESTART_BACKOFF_S = 0.05
+_RESTART_BACKOFF_MAX_S = 2.0
+
+
 @dataclass(eq=False)
 class PoolStream:
     """The pool's handle for one engine stream."""
@@ -69,6 +83,8 @@ class PoolStream:
     aborted: bool = False
     finished: bool = False
     closed: bool = False
+    # failed by the supervisor while the engine still held it: whatever that step returns is dropped
+    faulted: bool = False
     stats: dict[str, float] = field(default_factory=dict)
 
     def deadline(self) -> float:
@@ -81,6 +97,7 @@ class PoolStream:
             not self.busy
             and not self.aborted
             and not self.finished
+            and not self.faulted
             and self.credit_ms >= self.min_credit_ms
             and self.stream.has_work
         )
@@ -89,12 +106,24 @@ class PoolStream:
 class EnginePool:
     """Runs one engine for many concurrent streams."""
 
-    def __init__(self, engine: Engine, *, ttfa_target_s: float = 0.25, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        ttfa_target_s: float = 0.25,
+        retry_after_s: float = 1.0,
+        step_timeout_s: float = 60.0,
+        failure_threshold: int = 3,
+        step_observer: StepObserver | None = None,
+    ) -> None:
         self.engine = engine
         self.info = engine.info
         self._ttfa_target_s = ttfa_target_s
         self._retry_after_s = retry_after_s
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The watchdog waits on its own condition, so a notify() meant for a worker never wakes it instead.
+        self._watch = threading.Condition(lock)
         self._streams: dict[int, PoolStream] = {}
         self._ids = itertools.count(1)
         self._closing = False
@@ -105,20 +134,36 @@ class EnginePool:
         self.generated_ms_total = 0.0
         self.last_batch_size = 0
         self.step_seconds_total = 0.0
+        self._step_timeout_s = step_timeout_s
+        self._failure_threshold = failure_threshold
+        self._step_observer = step_observer
+        # per worker index: the batch it is stepping and when the step began
+        self._in_flight: dict[int, tuple[Sequence[PoolStream], float]] = {}
+        self._overdue: set[int] = set()
+        self.consecutive_failures = 0
+        self.failed_steps_total = 0
+        self.worker_restarts_total = 0
+        self.step_timeouts_total = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         for i in range(self.info.workers):
-            t = threading.Thread(target=self._worker, name=f"omnigate-{self.info.family}-{i}", daemon=True)
+            t = threading.Thread(
+                target=self._supervised_worker, args=(i,), name=f"omnigate-{self.info.family}-{i}", daemon=True
+            )
             t.start()
             self._threads.append(t)
+        watchdog = threading.Thread(target=self._watchdog, name=f"omnigate-{self.info.family}-watchdog", daemon=True)
+        watchdog.start()
+        self._threads.append(watchdog)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the workers, abort every stream and release the engine. Blocking: call from a thread."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._watch.notify_all()
         for t in self._threads:
             t.join(timeout)
         with self._cond:
@@ -128,6 +173,20 @@ class EnginePool:
         self.engine.shutdown()
 
     # ---- event-loop side --------------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """False while the engine fails every step or a step is overdue; true again after a good step."""
+        return self.health_problem is None
+
+    @property
+    def health_problem(self) -> str | None:
+        with self._cond:
+            if self._overdue:
+                return f"an engine step has run for more than {self._step_timeout_s:g} s"
+            if self.consecutive_failures >= self._failure_threshold:
+                return f"the last {self.consecutive_failures} engine steps failed"
+            return None
 
     @property
     def active(self) -> int:
@@ -142,7 +201,7 @@ class EnginePool:
     def queue_depth(self) -> int:
         """Streams that could run now but are waiting for a worker."""
         with self._cond:
-            return sum(1 for ps in self._streams.values() if ps.runnable())
+            return len(self._runnable_locked())
 
     def open(self, params: SynthesisParams, sink: OutputSink, *, initial_credit_ms: float) -> PoolStream:
         """Admit one utterance stream. Raises :class:`PoolFull` or :class:`PoolClosed`."""
@@ -152,6 +211,9 @@ class EnginePool:
             if self._closing:
                 self.engine.close(stream)
                 raise PoolClosed()
+            if len(self._overdue) >= self.info.workers:
+                self.engine.close(stream)
+                raise EngineError("engine_unavailable", "the engine is not responding; retry shortly")
             if len(self._streams) >= self.info.max_sessions:
                 self.engine.close(stream)
                 raise PoolFull(self._retry_after_s)
@@ -215,11 +277,40 @@ class EnginePool:
         self._cond.notify_all()
 
     def _pick_locked(self) -> list[PoolStream]:
-        runnable = [ps for ps in self._streams.values() if ps.runnable()]
-        runnable.sort(key=PoolStream.deadline)
-        return runnable[: self.info.max_batch]
+        return self._runnable_locked()[: self.info.max_batch]
 
-    def _worker(self) -> None:
+    def _runnable_locked(self) -> list[PoolStream]:
+        """Streams that could step now, earliest deadline first."""
+        runnable = []
+        for ps in list(self._streams.values()):
+            try:
+                if ps.runnable():
+                    runnable.append(ps)
+            except Exception as exc:  # the engine's has_work raised: that stream alone fails
+                log.exception("engine stream state check failed")
+                self._fail_locked(ps, f"engine_error: {type(exc).__name__}")
+                self._close_locked(ps)
+        runnable.sort(key=PoolStream.deadline)
+        return runnable
+
+    def _supervised_worker(self, index: int) -> None:
+        """Serve until the pool closes; whatever kills the serving loop fails its batch, and the loop restarts."""
+        crashes_in_a_row = 0
+        while True:
+            try:
+                self._worker(index)
+                return
+            except BaseException as exc:  # a worker must outlive anything an engine throws, SystemExit included
+                crashes_in_a_row += 1
+                log.error("engine worker %d crashed (%s); restarting", index, type(exc).__name__, exc_info=exc)
+                self._fail_in_flight(index, f"engine_error: worker crashed ({type(exc).__name__})")
+            backoff = min(_RESTART_BACKOFF_MAX_S, _RESTART_BACKOFF_S * 2 ** (crashes_in_a_row - 1))
+            with self._cond:
+                self.worker_restarts_total += 1
+                if self._cond.wait_for(lambda: self._closing, timeout=backoff):
+                    return
+
+    def _worker(self, index: int) -> None:
         while True:
             with self._cond:
                 batch = self._pick_locked()
@@ -231,25 +322,96 @@ class EnginePool:
                 for ps in batch:
                     ps.busy = True
                 budgets = [ps.credit_ms for ps in batch]
+                self._in_flight[index] = (batch, time.monotonic())
+                self._watch.notify()  # the watchdog learns the new step deadline
             self._run_step(batch, budgets)
+            with self._cond:
+                self._in_flight.pop(index, None)
+                self._overdue.discard(index)
+
+    def _fail_in_flight(self, index: int, error: str) -> None:
+        """A worker died: end every stream of its batch that is still open with a typed error."""
+        with self._cond:
+            batch, _ = self._in_flight.pop(index, ((), 0.0))
+            self._overdue.discard(index)
+            self.consecutive_failures += 1
+            self.failed_steps_total += 1
+            for ps in batch:
+                ps.busy = False
+                if ps.closed:
+                    continue
+                self._fail_locked(ps, error)
+                self._close_locked(ps)
+            self._cond.notify_all()
+
+    def _fail_locked(self, ps: PoolStream, error: str) -> None:
+        """Send the stream's consumer a terminal error now; nothing the engine produces for it later is delivered."""
+        if ps.faulted or ps.aborted:
+            return
+        ps.faulted = True
+        self.failed_total += 1
+        outputs: list[EngineOutput] = [StreamDone(reason="error", error=error)]
+        with contextlib.suppress(RuntimeError):
+            ps.loop.call_soon_threadsafe(self._deliver, ps, outputs)
+
+    def _watchdog(self) -> None:
+        """Fail the streams of a step that overruns ``step_timeout_s``; sleeps until the earliest step deadline."""
+        with self._cond:
+            while not self._closing:
+                now = time.monotonic()
+                wait_s: float | None = None
+                for index, (batch, started) in self._in_flight.items():
+                    if index in self._overdue:
+                        continue
+                    left = started + self._step_timeout_s - now
+                    if left <= 0:
+                        self._on_overdue_locked(index, batch)
+                    elif wait_s is None or left < wait_s:
+                        wait_s = left
+                self._watch.wait(wait_s)
+
+    def _on_overdue_locked(self, index: int, batch: Sequence[PoolStream]) -> None:
+        log.error("engine step on worker %d overran %.1f s; failing its streams", index, self._step_timeout_s)
+        self._overdue.add(index)
+        self.step_timeouts_total += 1
+        for ps in batch:
+            self._fail_locked(ps, "engine_timeout: the engine step did not finish in time")
+        if len(self._overdue) >= self.info.workers:
+            # No worker is left to serve anyone: waiting streams would wait forever.
+            for ps in list(self._streams.values()):
+                if not ps.busy:
+                    self._fail_locked(ps, "engine_unavailable: the engine is not responding")
+                    self._close_locked(ps)
 
     def _run_step(self, batch: Sequence[PoolStream], budgets: Sequence[float]) -> None:
         t0 = time.monotonic()
         try:
             outputs = self.engine.step([ps.stream for ps in batch], budgets)
+            failed = False
         except EngineError as exc:
             outputs = [[StreamDone(reason="error", error=f"{exc.code}: {exc.message}")] for _ in batch]
+            failed = True
         except Exception as exc:
             log.exception("engine step failed")
             outputs = [[StreamDone(reason="error", error=f"engine_error: {type(exc).__name__}")] for _ in batch]
+            failed = True
         now = time.monotonic()
+        if self._step_observer is not None:
+            self._step_observer(now - t0, len(batch))
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"engine step returned {len(outputs)} output lists for a batch of {len(batch)}")
         with self._cond:
             self.steps += 1
             self.last_batch_size = len(batch)
             self.step_seconds_total += now - t0
+            if failed:
+                self.consecutive_failures += 1
+                self.failed_steps_total += 1
+            else:
+                self.consecutive_failures = 0
             for ps, out in zip(batch, outputs, strict=True):
                 ps.busy = False
-                if ps.aborted:
+                if ps.aborted or ps.faulted:
                     self._close_locked(ps)
                     continue
                 for item in out:

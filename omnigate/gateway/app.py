@@ -5,21 +5,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
 
 from omnigate.engines.base import Engine
 from omnigate.engines.pool import EnginePool
+from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.engines.registry import load_engine
 from omnigate.gateway import info
+from omnigate.gateway.auth import AuthMiddleware
+from omnigate.gateway.client_secrets import client_secrets_endpoint
+from omnigate.gateway.credentials import ApiKeys, ClientSecretStore
 from omnigate.gateway.metrics import Metrics
+from omnigate.gateway.ratelimit import KeyedSessionRegistry
+from omnigate.gateway.realtime.service import start_realtime
+from omnigate.gateway.realtime.ws import duplex_endpoint, realtime_endpoint
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_http import speech_endpoint
 from omnigate.gateway.speech_stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
-from omnigate.sessions.registry import SessionRegistry
+from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
+from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint
+from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
+from omnigate.web import web_routes
 
 log = logging.getLogger(__name__)
 
@@ -28,40 +40,80 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
     """Build the gateway. ``engine`` is loaded from ``settings`` at startup unless given."""
     gateway = Gateway(settings)
     metrics = Metrics(gateway)
+    webrtc = WebRtcCalls(settings, WebRtcTelemetry(metrics))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loaded = engine
-        if loaded is None:
+        webrtc.configure()
+        pool: EnginePoolAPI[Any]
+        stop_pool: Callable[[], Awaitable[None]]
+        if settings.engine_pool == "ray":
+            # Ray is an optional extra ([ray]): imported only by a gateway that uses it.
+            from omnigate.engines.remote.connect import connect_ray_pool
+
             try:
-                loaded = await asyncio.to_thread(
-                    load_engine, settings.engine, settings.model, **settings.engine_options
+                remote = await connect_ray_pool(
+                    settings.ray_address, settings.ray_app_prefix, retry_after_s=settings.retry_after_s
                 )
             except Exception as exc:
                 gateway.load_error = f"{type(exc).__name__}: {exc}"
-                log.error("engine %s failed to load: %s", settings.engine, gateway.load_error)
+                log.error("no engine replica on the Ray cluster answered: %s", gateway.load_error)
                 raise
-        pool = EnginePool(loaded, ttfa_target_s=settings.ttfa_target_s, retry_after_s=settings.retry_after_s)
-        pool.start()
-        gateway.registry = SessionRegistry(
-            settings.max_sessions if settings.max_sessions is not None else loaded.info.max_sessions,
+            pool, stop_pool = remote, remote.close
+            slots = remote.info.max_sessions * max(1, remote.replicas_up)
+        else:
+            loaded = engine
+            if loaded is None:
+                try:
+                    loaded = await asyncio.to_thread(
+                        load_engine, settings.engine, settings.model, **settings.engine_options
+                    )
+                except Exception as exc:
+                    gateway.load_error = f"{type(exc).__name__}: {exc}"
+                    log.error("engine %s failed to load: %s", settings.engine, gateway.load_error)
+                    raise
+            local = EnginePool(
+                loaded,
+                ttfa_target_s=settings.ttfa_target_s,
+                retry_after_s=settings.retry_after_s,
+                step_timeout_s=settings.engine_step_timeout_s,
+                failure_threshold=settings.engine_failure_threshold,
+                step_observer=metrics.observe_step,
+            )
+            local.start()
+            pool, slots = local, loaded.info.max_sessions
+
+            async def stop_pool() -> None:
+                await asyncio.to_thread(local.stop)
+
+        gateway.registry = KeyedSessionRegistry(
+            settings.max_sessions if settings.max_sessions is not None else slots,
             settings.retry_after_s,
+            max_per_key=settings.max_sessions_per_key,
         )
         gateway.pool = pool
         log.info(
             "engine %s model %s ready: %d slots, %d Hz%s",
-            loaded.info.family,
-            loaded.info.model,
-            loaded.info.max_sessions,
-            loaded.info.sample_rate,
-            " (synthetic test engine)" if loaded.info.synthetic else "",
+            pool.info.family,
+            pool.info.model,
+            slots,
+            pool.info.sample_rate,
+            " (synthetic test engine)" if pool.info.synthetic else "",
         )
         try:
+            app.state.video_engine = await start_video_engine(settings)
+            app.state.realtime = await start_realtime(settings, pool)
             yield
         finally:
             gateway.registry.draining = True
+            await webrtc.close_all()
             gateway.pool = None
-            await asyncio.to_thread(pool.stop)
+            await stop_pool()
+            await stop_video_engine(app.state.video_engine)
+            app.state.video_engine = None
+            if app.state.realtime is not None:
+                await asyncio.to_thread(app.state.realtime.close)
+                app.state.realtime = None
 
     routes = [
         Route("/health", info.health),
@@ -71,8 +123,27 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         Route("/v1/audio/voices", info.voices),
         Route("/v1/audio/speech", speech_endpoint, methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_endpoint),
+        WebSocketRoute("/v1/realtime/video", video_stream_endpoint),
+        WebSocketRoute("/v1/realtime", realtime_endpoint),
+        WebSocketRoute("/v1/duplex", duplex_endpoint),
+        Route("/v1/realtime/client_secrets", client_secrets_endpoint, methods=["POST"]),
+        Route("/v1/realtime/calls", realtime_calls_endpoint, methods=["POST"]),
+        *web_routes(settings.web_token_url),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    client_secrets = ClientSecretStore(settings.max_client_secrets)
+    # Outermost of the app's own middleware, so it covers every route, HTTP and WebSocket alike.
+    auth = Middleware(
+        AuthMiddleware,
+        gateway=gateway,
+        keys=ApiKeys(settings.api_key_hashes),
+        client_secrets=client_secrets,
+        metrics=metrics,
+    )
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[auth])
     app.state.gateway = gateway
     app.state.metrics = metrics
+    app.state.video_engine = None  # a VideoEngine while serving, when --video-model names one
+    app.state.realtime = None  # the RealtimeService (engines of /v1/realtime) while serving
+    app.state.client_secrets = client_secrets
+    app.state.webrtc = webrtc
     return app

@@ -9,6 +9,13 @@ from collections.abc import Sequence
 
 from omnigate import __version__
 from omnigate.engines.registry import DEFAULT_ENGINE, LOADERS
+from omnigate.gateway.cli_reliability import (
+    add_reliability_options,
+    auth_summary,
+    exposure_problem,
+    reliability_settings,
+)
+from omnigate.gateway.logging import configure_logging
 from omnigate.gateway.settings import Settings
 
 _DEFAULTS = Settings()
@@ -19,6 +26,17 @@ def _engine_option(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key.strip(), value.strip()
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        ports = (int(low), int(high))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH, got {text!r}") from None
+    if not sep or not 1 <= ports[0] <= ports[1] <= 65535:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, got {text!r}")
+    return ports
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +79,61 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="engine option, repeatable (for example workers=2, max_sessions=64)",
+    )
+    eng.add_argument(
+        "--engine-pool",
+        default=_DEFAULTS.engine_pool,
+        choices=["local", "ray"],
+        help="local: the engine runs in this process; ray: engine replicas on a Ray cluster (deployed with "
+        "'python -m omnigate.engines.remote deploy'; --engine/--model are theirs, not this process's)",
+    )
+    eng.add_argument("--ray-address", default=None, help="with --engine-pool ray: the cluster, HOST:PORT")
+    eng.add_argument(
+        "--ray-app-prefix",
+        default=_DEFAULTS.ray_app_prefix,
+        help="with --engine-pool ray: the engine replicas are the Serve applications named PREFIX-N",
+    )
+    video = serve.add_argument_group("video (WS /v1/realtime/video, viewer at /static/video.html)")
+    video.add_argument(
+        "--video-model",
+        default=None,
+        metavar="SPEC",
+        help="serve text-to-video beside the speech engine: a Wan 2.1 Diffusers directory, or preset:tiny / "
+        "preset:wan-1.3b (random weights: noise, for tests and benchmarks); no video engine without it",
+    )
+    video.add_argument(
+        "--video-option",
+        "-V",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="video engine option, repeatable (for example device=cuda, dtype=bfloat16, max_sessions=2, "
+        "max_frames_in_flight=16, max_video_pixels=32348160, vae_tile=256)",
+    )
+    duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
+    duplex.add_argument(
+        "--duplex-model",
+        default=None,
+        metavar="SPEC",
+        help="serve full-duplex speech-to-speech beside the speech engine: a Moshi checkpoint directory, or "
+        "preset:tiny / preset:moshi-7b (random weights: noise, for tests and benchmarks); --engine duplex --model "
+        "SPEC serves it alone",
+    )
+    duplex.add_argument(
+        "--duplex-option",
+        "-D",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="duplex engine option, repeatable (for example device=cuda, dtype=bfloat16, max_sessions=32)",
+    )
+    duplex.add_argument(
+        "--realtime-input-max-bytes",
+        type=int,
+        default=_DEFAULTS.realtime_input_max_bytes,
+        help="input audio a realtime session may hold unconsumed; appends beyond it are refused",
     )
     lim = serve.add_argument_group("limits")
     lim.add_argument("--max-sessions", type=int, default=None, help="concurrent sessions (default: engine slots)")
@@ -106,7 +179,45 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument(
         "--max-utterance-audio", type=float, default=_DEFAULTS.max_utterance_audio_s, help="seconds of audio"
     )
+    rtc = serve.add_argument_group("WebRTC (POST /v1/realtime/calls, the talk page at /)")
+    rtc.add_argument(
+        "--webrtc-host-address",
+        action="append",
+        default=[],
+        metavar="IP",
+        help="ICE host candidate address, repeatable (127.0.0.1 for clients on this host; default: every interface "
+        "address except loopback)",
+    )
+    rtc.add_argument(
+        "--webrtc-udp-ports",
+        type=_port_range,
+        default=_DEFAULTS.webrtc_udp_ports,
+        metavar="LOW-HIGH",
+        help="bind ICE UDP sockets in this inclusive range, for containers that publish a port range (default: "
+        "OS-chosen ports)",
+    )
+    rtc.add_argument(
+        "--webrtc-stun",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="STUN server (stun:host:port), repeatable, for clients behind NAT; none by default, so a call never "
+        "waits on STUN",
+    )
+    rtc.add_argument(
+        "--webrtc-ice-timeout",
+        type=float,
+        default=_DEFAULTS.webrtc_ice_timeout_s,
+        help="seconds for a call to connect (ICE and DTLS) before it is closed",
+    )
+    rtc.add_argument(
+        "--webrtc-outbox-ms",
+        type=float,
+        default=_DEFAULTS.webrtc_outbox_ms,
+        help="generated audio held unsent per WebRTC call",
+    )
     serve.add_argument("--log-level", default=_DEFAULTS.log_level, choices=["debug", "info", "warning", "error"])
+    add_reliability_options(serve)
     return parser
 
 
@@ -117,6 +228,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         engine=args.engine,
         model=args.model,
         engine_options=dict(args.engine_option),
+        engine_pool=args.engine_pool,
+        ray_address=args.ray_address,
+        ray_app_prefix=args.ray_app_prefix,
+        video_model=args.video_model,
+        video_options=dict(args.video_option),
+        duplex_model=args.duplex_model,
+        duplex_options=dict(args.duplex_option),
+        realtime_input_max_bytes=args.realtime_input_max_bytes,
         max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout,
         config_timeout_s=args.config_timeout,
@@ -124,34 +243,51 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         stall_timeout_s=args.stall_timeout,
         ws_outbox_ms=args.ws_outbox_ms,
         http_outbox_ms=args.http_outbox_ms,
+        webrtc_outbox_ms=args.webrtc_outbox_ms,
+        webrtc_host_addresses=tuple(args.webrtc_host_address),
+        webrtc_udp_ports=args.webrtc_udp_ports,
+        webrtc_stun_servers=tuple(args.webrtc_stun),
+        webrtc_ice_timeout_s=args.webrtc_ice_timeout,
         ws_max_message_bytes=args.ws_max_message_bytes,
         max_utterance_audio_s=args.max_utterance_audio,
         socket_send_buffer_bytes=args.socket_send_buffer or None,
         log_level=args.log_level,
+        **reliability_settings(args),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    settings = settings_from_args(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    problem = exposure_problem(settings)
+    if problem is not None:
+        parser.error(problem)
+    configure_logging(settings.log_level, settings.log_json)
     import uvicorn
 
     from omnigate.gateway.app import create_app
+    from omnigate.gateway.drain import DrainingServer
     from omnigate.gateway.sockets import bind_listener
 
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         loop="uvloop",
         ws="websockets-sansio",
         ws_max_size=settings.ws_max_message_bytes,
         lifespan="on",
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through configure_logging's handler (JSON, redaction)
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.gateway, settings.drain_timeout_s)
     sock = bind_listener(settings.host, settings.port, settings.socket_send_buffer_bytes)
     logging.getLogger(__name__).info("listening on http://%s:%d", settings.host, settings.port)
+    logging.getLogger(__name__).info(auth_summary(settings))
     server.run(sockets=[sock])
     return 0 if server.started else 1
 

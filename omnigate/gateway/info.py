@@ -31,6 +31,9 @@ async def ready(request: Request) -> Response:
         return JSONResponse(body, status_code=503)
     if gw.registry.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
+    problem = gw.pool.health_problem
+    if problem is not None:
+        return JSONResponse({"status": "engine_unhealthy", "error": problem}, status_code=503)
     info = gw.pool.info
     return JSONResponse(
         {

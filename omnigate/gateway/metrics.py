@@ -5,9 +5,10 @@ Labels are bounded (transport, reason, engine family); no session ids.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -35,9 +36,35 @@ class _GatewayCollector(Collector):
         for reason, n in reg.refused_total.items():
             refused.add_metric([reason], n)
         yield refused
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped off the event loop (tests reading the registry directly)
+            tasks = 0
+        yield GaugeMetricFamily("omnigate_event_loop_tasks", "asyncio tasks alive on the server's loop", value=tasks)
+        backlog = [lease.driver.outbox.media_ms for lease in reg.leases if lease.driver is not None]
+        yield GaugeMetricFamily(
+            "omnigate_outbox_backlog_seconds_max",
+            "Largest amount of generated audio waiting unsent in one session (its lag behind generation)",
+            value=max(backlog, default=0.0) / 1000.0,
+        )
+        yield GaugeMetricFamily(
+            "omnigate_outbox_backlog_seconds_sum",
+            "Generated audio waiting unsent over all sessions",
+            value=sum(backlog) / 1000.0,
+        )
         pool = gw.pool
         if pool is None:
             return
+        yield GaugeMetricFamily("omnigate_engine_healthy", "1 while the engine steps succeed", value=int(pool.healthy))
+        restarts = CounterMetricFamily("omnigate_engine_worker_restarts", "Engine workers restarted after a crash")
+        restarts.add_metric([], pool.worker_restarts_total)
+        yield restarts
+        timeouts = CounterMetricFamily("omnigate_engine_step_timeouts", "Engine steps that overran the step timeout")
+        timeouts.add_metric([], pool.step_timeouts_total)
+        yield timeouts
+        failed_steps = CounterMetricFamily("omnigate_engine_failed_steps", "Engine steps that raised or crashed")
+        failed_steps.add_metric([], pool.failed_steps_total)
+        yield failed_steps
         family = pool.info.family
         yield GaugeMetricFamily("omnigate_engine_streams_active", "Engine streams open", value=pool.active, labels=None)
         yield GaugeMetricFamily("omnigate_engine_free_slots", "Engine slots free", value=pool.free_slots)
@@ -72,6 +99,7 @@ class Metrics:
     def __init__(self, gateway: Gateway) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_GatewayCollector(gateway))
+        ProcessCollector(registry=self.registry)
         self.ttfa = Histogram(
             "omnigate_ttfa_seconds",
             "Server-side time from a unit reaching the engine to its first audio leaving the session",
@@ -86,6 +114,37 @@ class Metrics:
             buckets=(0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0),
             registry=self.registry,
         )
+        self.chunk_gap = Histogram(
+            "omnigate_chunk_gap_seconds",
+            "Time between consecutive media sends of one response or WebSocket",
+            ["transport"],
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.2, 0.3, 0.5, 1.0, 2.0),
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "omnigate_requests_refused",
+            "Requests and sessions refused before reaching a route (auth, rate, per-key limits)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.engine_step = Histogram(
+            "omnigate_engine_step_duration_seconds",
+            "Duration of one engine step",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.engine_batch = Histogram(
+            "omnigate_engine_batch_size",
+            "Streams advanced by one engine step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
+        ProcessCollector(registry=self.registry)  # resident memory, open fds, CPU of the server process
+
+    def observe_step(self, seconds: float, batch_size: int) -> None:
+        """The pool's step observer (called on a scheduler thread; prometheus_client is thread-safe)."""
+        self.engine_step.observe(seconds)
+        self.engine_batch.observe(batch_size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

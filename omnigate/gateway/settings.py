@@ -13,6 +13,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     engine: str = "piper"
     model: str | None = None
     engine_options: dict[str, str] = {}
+    # where engines run: "local" (this process) or "ray" (engine replicas on a Ray cluster, see deploy/)
+    engine_pool: str = "local"
+    ray_address: str | None = None  # None: RAY_ADDRESS, or a cluster started on this machine
+    ray_app_prefix: str = "omnigate-engine"  # engine replicas are the Serve applications named PREFIX-N
+    # the video engine, loaded beside the speech engine only when a model is named (WS /v1/realtime/video)
+    video_model: str | None = None
+    video_options: dict[str, str] = {}
+    # a duplex engine beside a TTS main engine (WS /v1/duplex, /v1/realtime?duplex=1); --engine duplex serves only it
+    duplex_model: str | None = None
+    duplex_options: dict[str, str] = {}
+    realtime_input_max_bytes: int = 1024 * 1024  # realtime input audio pending per session (24 kHz s16le)
+    duplex_turn_end_ms: float = 480.0  # a duplex model listening this long has ended its turn (its response)
     max_sessions: int | None = None  # None: the engine's slot count
     # kernel send buffer of each connection (None: the OS autotunes it, up to megabytes)
     socket_send_buffer_bytes: int | None = 64 * 1024
@@ -30,6 +42,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # generated audio buffered unsent per session
     ws_outbox_ms: float = 2000.0
     http_outbox_ms: float = 4000.0
+    webrtc_outbox_ms: float = 500.0  # the RTP track consumes exactly in real time
     outbox_bytes: int = 2 * 1024 * 1024
     max_utterance_audio_s: float = 120.0
     ttfa_target_s: float = 0.25
@@ -37,4 +50,30 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # segmenter forced flush
     segment_max_chars: int = 120
     segment_max_wait_ms: float = 400.0
+    # WebRTC (POST /v1/realtime/calls)
+    webrtc_host_addresses: tuple[str, ...] = ()  # ICE host candidates; empty: every interface but loopback
+    webrtc_udp_ports: tuple[int, int] | None = None  # inclusive UDP port range for ICE; None: OS-chosen ports
+    webrtc_stun_servers: tuple[str, ...] = ()  # stun: URLs; none: host candidates only, no STUN wait
+    webrtc_ice_timeout_s: float = 15.0  # a call whose ICE/DTLS has not connected by then is closed
+    webrtc_max_offer_bytes: int = 64 * 1024
+    webrtc_opus_bitrate: int = 32_000
+    webrtc_microphone_bytes: int = 1024 * 1024  # inbound audio kept per call (mono s16le 48 kHz), oldest dropped
     log_level: str = "info"
+    log_json: bool = False  # one JSON object per log line (session ids, never text or audio)
+    # authentication: SHA-256 hex digests of the accepted API keys (the process never keeps a key itself)
+    api_key_hashes: tuple[str, ...] = ()
+    allow_unauthenticated_public: bool = False  # with no key, serve beyond loopback anyway
+    metrics_require_auth: bool = False
+    client_secret_ttl_s: float = 60.0  # default lifetime of a browser client secret
+    client_secret_max_ttl_s: float = 7200.0
+    max_client_secrets: int = 10_000  # unexpired secrets held at once
+    web_token_url: str | None = None  # where the web client fetches a client secret (None: no auth on the page)
+    # per-key limits (None: unlimited)
+    max_sessions_per_key: int | None = None
+    requests_per_s_per_key: float | None = None
+    request_burst_per_key: int = 20
+    # graceful drain on SIGTERM: live utterances may finish for this long
+    drain_timeout_s: float = 25.0
+    # engine faults: a step running longer fails its streams; this many failed steps in a row make /ready unready
+    engine_step_timeout_s: float = 60.0
+    engine_failure_threshold: int = 3

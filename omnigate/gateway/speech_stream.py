@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from omnigate.codecs.encoder import complete_wav
 from omnigate.gateway.audio_out import AudioOut
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.metrics import Metrics
@@ -25,6 +26,7 @@ from omnigate.gateway.speech_adapter import (
     session_done_event,
 )
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.task_pair import run_reader_writer
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
     ErrorEvent,
@@ -93,14 +95,9 @@ class SpeechStreamConnection:
         self.disconnected = False
 
     async def run(self) -> None:
-        reader = asyncio.create_task(self._read(), name="speech-stream-reader")
-        writer = asyncio.create_task(self._write(), name="speech-stream-writer")
         try:
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            await run_reader_writer(self._read(), self._write(), "speech-stream")
         finally:
-            for task in (reader, writer):
-                task.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
             self.driver.release()
 
     # ---- reader -----------------------------------------------------------------------------------------------
@@ -158,44 +155,23 @@ class SpeechStreamConnection:
             elif isinstance(event, SegmentStarted):
                 if out is not None:
                     out.close()
-                out = self._out = await AudioOut.open(
-                    self.output.response_format, event.sample_rate, self.output.sample_rate
-                )
+                output = self.input.output
+                out = self._out = await AudioOut.open(output.response_format, event.sample_rate, output.sample_rate)
                 held = []
-                ok = await self._send_json(
-                    {
-                        "type": "audio.start",
-                        "utterance_index": event.utterance,
-                        "sentence_index": event.segment,
-                        "sentence_text": event.text.strip(),
-                        "format": self.output.response_format,
-                        "sample_rate": out.output_rate,
-                    }
-                )
-                if not ok:
+                if not await self._send_json(audio_start_event(event, output.response_format, out.output_rate)):
                     return
             elif isinstance(event, SegmentDone):
                 total = 0
                 if out is not None:
                     tail = await out.finish()
                     payload = tail if self.input.output.stream_audio else b"".join([*held, tail])
-                    if not self.output.stream_audio and self.output.response_format == "wav":
+                    if not self.input.output.stream_audio and self.input.output.response_format == "wav":
                         payload = complete_wav(payload)  # a whole file per sentence: real sizes in the header
                     if payload and not await self._send_bytes(payload):
                         return
                     total = out.bytes_out
                 self._out, held = None, []
-                ok = await self._send_json(
-                    {
-                        "type": "audio.done",
-                        "utterance_index": event.utterance,
-                        "sentence_index": event.segment,
-                        "total_bytes": total,
-                        "error": event.status == "error",
-                        "status": event.status,
-                    }
-                )
-                if not ok:
+                if not await self._send_json(audio_done_event(event, total)):
                     return
             elif isinstance(event, UtteranceDone):
                 if not await self._send_json(session_done_event(event)):

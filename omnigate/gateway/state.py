@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from omnigate.engines.pool import EnginePool
+from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.settings import Settings
 from omnigate.sessions.registry import SessionRegistry
 from omnigate.sessions.speech import SessionLimits
@@ -15,13 +16,13 @@ class Gateway:
     """The process-wide state the routes share (``request.app.state.gateway``)."""
 
     settings: Settings
-    pool: EnginePool | None = None
+    pool: EnginePoolAPI[Any] | None = None
     registry: SessionRegistry = field(default_factory=lambda: SessionRegistry(0))
     load_error: str | None = None
 
     @property
     def ready(self) -> bool:
-        return self.pool is not None and not self.registry.draining
+        return self.pool is not None and not self.registry.draining and self.pool.healthy
 
     def served_models(self) -> frozenset[str]:
         """Names a client may put in ``model``: the model id, the engine family, and OpenAI's TTS model names."""

@@ -1,5 +1,5 @@
-"""Plain-torch reference implementations of the tensor operations the model engines are built from.
+"""The tensor operations the model engines are built from.
 
-Each op has the interface of the fused kernel that would replace it on an accelerator, so a faster backend can
-swap in without touching the engines.
+Each op module holds a plain-torch reference (the CPU fallback) and a dispatcher that runs the Triton kernel from
+:mod:`omnigate.kernels.triton_kernels` for CUDA tensors where Triton is installed (:mod:`omnigate.kernels.backend`).
 """

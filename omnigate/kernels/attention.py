@@ -1,9 +1,11 @@
-"""Attention over explicitly masked keys, with grouped-query heads."""
+"""Attention with grouped-query heads: over explicitly masked keys, and decode attention over slot caches."""
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+
+from omnigate.kernels.backend import triton_kernels, use_triton
 
 
 def masked_attention(
@@ -24,3 +26,40 @@ def masked_attention(
         enable_gqa=heads != key.shape[2],
     )
     return out.transpose(1, 2).reshape(batch, steps, heads * head_dim)
+
+
+def slot_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per row over the first ``lengths[r]`` keys of cache slot ``slots[r]``.
+
+    ``query`` is ``[R, H, D]``; the caches are ``[slots, capacity, Hkv, D]``; returns ``[R, H * D]``. Reads only up to
+    the longest length in the batch (a host read of ``lengths``).
+    """
+    span = int(lengths.max())
+    keys = key_cache[slots, :span]
+    values = value_cache[slots, :span]
+    allowed = torch.arange(span, device=query.device)[None, None, :] < lengths[:, None, None]
+    return masked_attention(query.unsqueeze(1), keys, values, allowed, scale)[:, 0]
+
+
+def slot_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`slot_attention_reference` as one Triton kernel on CUDA: each (row, key/value head) program streams its
+    own slot's keys up to that row's length (online softmax), so no row pays for a longer neighbour and nothing
+    waits on the host; safe inside a CUDA graph."""
+    if use_triton(query) and query.is_contiguous() and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1:
+        out: torch.Tensor = triton_kernels().slot_attention(query, key_cache, value_cache, slots, lengths, scale)
+        return out
+    return slot_attention_reference(query, key_cache, value_cache, slots, lengths, scale)

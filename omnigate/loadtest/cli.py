@@ -328,6 +328,10 @@ async def _baseline_until_stopped(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``omnigate-loadtest`` console script."""
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["soak"]:
+        from omnigate.loadtest.soak import main as soak_main
+
+        return soak_main(arguments[1:])
     if arguments[:1] == ["baseline"]:
         baseline_args = baseline_parser().parse_args(arguments[1:])
         return _run_coroutine(_baseline_until_stopped(baseline_args))

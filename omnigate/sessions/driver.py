@@ -11,9 +11,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from omnigate.engines.base import EngineError, EngineOutput
-from omnigate.engines.pool import EnginePool, PoolClosed, PoolFull, PoolStream
+from omnigate.engines.pool import PoolClosed, PoolFull
+from omnigate.engines.pool_api import EnginePoolAPI, SessionPinning
 from omnigate.sessions.messages import Command, ErrorEvent, Event, MediaChunk, SessionClosed
 from omnigate.sessions.outbox import Outbox
 from omnigate.sessions.speech import (
@@ -39,10 +41,15 @@ class SessionDriver:
     """Runs one speech session on the current event loop."""
 
     def __init__(
-        self, pool: EnginePool, limits: SessionLimits, on_first_audio: Callable[[float], None] | None = None
+        self, pool: EnginePoolAPI[Any], limits: SessionLimits, on_first_audio: Callable[[float], None] | None = None
     ) -> None:
         """``on_first_audio`` receives, per utterance, the ms from its engine stream's opening to its first audio
-        leaving the outbox."""
+        leaving the outbox. A pool with several engine replicas is used through a view pinned to one of them."""
+        self._unpin: Callable[[], None] | None = None
+        if isinstance(pool, SessionPinning):
+            pinned = pool.pin_session()
+            self._unpin = pinned.unpin
+            pool = pinned
         self.pool = pool
         self._on_first_audio = on_first_audio
         self._opened_ms: dict[int, float] = {}
@@ -50,7 +57,7 @@ class SessionDriver:
         self.session = SpeechSession(pool.info, limits, monotonic_ms())
         self.outbox = Outbox(max_media_ms=limits.outbox_media_ms, max_bytes=limits.outbox_bytes)
         self._loop = asyncio.get_running_loop()
-        self._streams: dict[int, PoolStream] = {}
+        self._streams: dict[int, Any] = {}
         self._ready = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._finished = False
@@ -113,6 +120,8 @@ class SessionDriver:
         for ps in self._streams.values():
             self.pool.abort(ps)
         self._streams.clear()
+        if self._unpin is not None:
+            self._unpin()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -151,7 +151,7 @@ CLAUSE = SegmenterConfig(granularity="clause")
             ["Visit example.com today. ", "Mail a.b@c.io now."],
         ),
         ("It works. then it stops.", SENTENCE, ["It works. ", "then it stops."]),
-        ("He said \"Stop!\" and left.", SENTENCE, ["He said \"Stop!\" and left."]),
+        ('He said "Stop!" and left.', SENTENCE, ['He said "Stop!" and left.']),
         ("Wait... what? Ok.", SENTENCE, ["Wait... what? ", "Ok."]),
         ("Wait... What?", SENTENCE, ["Wait... ", "What?"]),
         ('He said "Stop." Then he left.', SENTENCE, ['He said "Stop." ', "Then he left."]),

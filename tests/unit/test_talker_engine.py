@@ -324,3 +324,35 @@ def test_context_longer_than_the_window_is_refused_at_open() -> None:
     small = make_engine(max_context=64)
     with pytest.raises(EngineError, match="context window"):
         small.open(SynthesisParams(voice="0"), context=[ContextSegment(speaker="0", text="x", pcm=tone_pcm(6.0))])
+
+
+def test_new_units_beyond_the_prefill_budget_start_next_step() -> None:
+    budgeted = make_engine(prefill_tokens_per_step=20)
+    streams = [open_stream(budgeted, ["A unit of some length."], seed=30 + k, max_audio_ms=400) for k in range(3)]
+    first = budgeted.step(streams, [UNLIMITED] * 3)
+    # The first unit always starts; the others exceed what is left of the budget and wait a step.
+    assert [isinstance(out[0], SegmentStarted) if out else False for out in first] == [True, False, False]
+    second = budgeted.step(streams, [UNLIMITED] * 3)
+    assert isinstance(second[1][0], SegmentStarted)
+    for stream in streams:
+        budgeted.close(stream)
+
+
+def test_top_p_and_repetition_penalty_change_the_draws_deterministically() -> None:
+    plain = audio_of(drain(engine_a := make_engine(), open_stream(engine_a, ["Options."], seed=40, max_audio_ms=640)))
+    for options in ({"top_p": 0.5}, {"repetition_penalty": 1.5, "repetition_window": 4}):
+        tuned = make_engine(**options)
+        once = audio_of(drain(tuned, open_stream(tuned, ["Options."], seed=40, max_audio_ms=640)))
+        again = audio_of(drain(tuned, open_stream(tuned, ["Options."], seed=40, max_audio_ms=640)))
+        assert once == again and len(once) == len(plain) and once != plain
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_steps_sound_the_same_as_eager_steps_on_the_gpu() -> None:
+    audio = {}
+    for graphs in (False, True):
+        gpu = make_engine(device="cuda", dtype="float32", cuda_graphs=graphs, max_sessions=4, max_batch=4)
+        assert (gpu.device_step.graphs is not None) == graphs
+        stream = open_stream(gpu, ["On the device."], seed=50, max_audio_ms=1200)
+        audio[graphs] = audio_of(drain(gpu, stream))
+    assert len(audio[True]) == 15 * 1920 * 2 and audio[True] == audio[False]

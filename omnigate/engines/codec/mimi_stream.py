@@ -9,8 +9,10 @@ needs to continue where it stopped:
 - the decoder transformer keeps the keys and values of its sliding window, and each session its position.
 
 So every frame is decoded exactly once, and decoding a stream in chunks of any size gives the same samples as one
-``MimiModel.decode`` call over all of its codes. Session state lives in preallocated slots; a call decodes any set
-of slots that each bring the same number of new frames.
+``MimiModel.decode`` call over all of its codes. Session state lives in preallocated device slots, positions
+included, so :meth:`MimiStreamDecoder.decode_frames` reads nothing from the host and can be captured in a CUDA graph;
+a call decodes any set of slots that each bring the same number of new frames. One extra slot,
+:attr:`MimiStreamDecoder.scratch`, absorbs rows of a fixed-size batch that carry no session.
 """
 
 from __future__ import annotations
@@ -84,50 +86,18 @@ class _TransposedConvState:
         self.tail[slot].zero_()
 
 
-class _WindowedTransformer:
-    """The decoder transformer with a per-slot key/value window of ``sliding_window - 1`` past steps."""
+class SlotKvLayers:
+    """One Mimi transformer layer over per-slot key/value windows, shared by the streaming encoder and decoder.
 
-    def __init__(self, transformer: Any, slots: int, device: torch.device, dtype: torch.dtype) -> None:
-        config = transformer.config
-        self.layers: Sequence[Any] = list(transformer.layers)
-        self.rotary: nn.Module = transformer.rotary_emb
-        self.window = int(config.sliding_window)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(config.head_dim)
-        self.past = self.window - 1
-        shape = (len(self.layers), slots, self.past, self.kv_heads, self.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.positions = [0] * slots
-        self.filled = [0] * slots
+    Subclasses set ``heads``, ``kv_heads``, ``head_dim``, ``past`` and the per-layer ``keys``/``values`` tensors.
+    """
 
-    def reset(self, slot: int) -> None:
-        self.positions[slot] = 0
-        self.filled[slot] = 0
-
-    def _allowed(self, slots: Sequence[int], steps: int, device: torch.device) -> torch.Tensor:
-        # Past key j (absolute position pos - past + j) is visible to step t when it is within the window
-        # (j >= t) and holds real history (j >= past - filled); new key u when u <= t < u + window.
-        t = torch.arange(steps, device=device)
-        j = torch.arange(self.past, device=device)
-        filled = torch.tensor([self.filled[s] for s in slots], device=device)
-        past_ok = (j[None, None, :] >= t[None, :, None]) & (j[None, None, :] >= (self.past - filled)[:, None, None])
-        new_ok = (t[None, :] <= t[:, None]) & (t[:, None] < t[None, :] + self.window)
-        return torch.cat((past_ok, new_ok.expand(len(slots), steps, steps)), dim=-1)
-
-    def __call__(self, x: torch.Tensor, slots: Sequence[int], index: torch.Tensor) -> torch.Tensor:
-        steps = x.shape[1]
-        start = torch.tensor([self.positions[s] for s in slots], device=x.device)
-        positions = start[:, None] + torch.arange(steps, device=x.device)[None, :]
-        cos, sin = self.rotary(x, positions)
-        allowed = self._allowed(slots, steps, x.device)
-        for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, allowed, index)
-        for s in slots:
-            self.positions[s] += steps
-            self.filled[s] = min(self.filled[s] + steps, self.past)
-        return x
+    heads: int
+    kv_heads: int
+    head_dim: int
+    past: int
+    keys: torch.Tensor  # (layers, slots, past, kv_heads, head_dim)
+    values: torch.Tensor
 
     def _layer(
         self,
@@ -156,39 +126,132 @@ class _WindowedTransformer:
         return x + mlp_out
 
 
+class _WindowedTransformer(SlotKvLayers):
+    """The decoder transformer with a per-slot key/value window of ``sliding_window - 1`` past steps."""
+
+    def __init__(self, transformer: Any, slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        config = transformer.config
+        self.layers: Sequence[Any] = list(transformer.layers)
+        self.rotary: nn.Module = transformer.rotary_emb
+        self.window = int(config.sliding_window)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(config.head_dim)
+        self.past = self.window - 1
+        shape = (len(self.layers), slots, self.past, self.kv_heads, self.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.positions = torch.zeros(slots, device=device, dtype=torch.int64)
+        self.filled = torch.zeros(slots, device=device, dtype=torch.int64)  # real entries in the window
+
+    def reset(self, slot: int) -> None:
+        self.positions[slot] = 0
+        self.filled[slot] = 0
+
+    def _allowed(self, filled: torch.Tensor, steps: int) -> torch.Tensor:
+        # Past key j (absolute position pos - past + j) is visible to step t when it is within the window
+        # (j >= t) and holds real history (j >= past - filled); new key u when u <= t < u + window.
+        t = torch.arange(steps, device=filled.device)
+        j = torch.arange(self.past, device=filled.device)
+        past_ok = (j[None, None, :] >= t[None, :, None]) & (j[None, None, :] >= (self.past - filled)[:, None, None])
+        new_ok = (t[None, :] <= t[:, None]) & (t[:, None] < t[None, :] + self.window)
+        return torch.cat((past_ok, new_ok.expand(filled.shape[0], steps, steps)), dim=-1)
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        steps = x.shape[1]
+        start = self.positions.index_select(0, index)
+        filled = self.filled.index_select(0, index)
+        positions = start[:, None] + torch.arange(steps, device=x.device)[None, :]
+        cos, sin = self.rotary(x, positions)
+        allowed = self._allowed(filled, steps)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, allowed, index)
+        self.positions.index_copy_(0, index, start + steps)
+        self.filled.index_copy_(0, index, (filled + steps).clamp(max=self.past))
+        return x
+
+
+class _QuantizerTables:
+    """Mimi's residual quantizers as lookup tables: the sum over codebooks of each code's vector is one gather and
+    one sum per quantizer group instead of one lookup and one add per codebook."""
+
+    def __init__(self, quantizer: Any) -> None:
+        self.groups: list[tuple[int, int, torch.Tensor, torch.Tensor, nn.Module | None]] = []
+        start = 0
+        for rvq in (quantizer.semantic_residual_vector_quantizer, quantizer.acoustic_residual_vector_quantizer):
+            embeds = [layer.codebook.embed for layer in rvq.layers]
+            size = embeds[0].shape[0]
+            offsets = torch.arange(len(embeds), device=embeds[0].device, dtype=torch.int64) * size
+            self.groups.append((start, len(embeds), torch.cat(embeds), offsets, rvq.output_proj))
+            start += len(embeds)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` ``[B, N, T]`` to the quantized latent ``[B, hidden, T]`` (the first ``N`` codebooks)."""
+        total: torch.Tensor | None = None
+        count = codes.shape[1]
+        for start, size, table, offsets, proj in self.groups:
+            used = min(size, count - start)
+            if used <= 0:
+                break
+            ids = codes[:, start : start + used] + offsets[:used, None]
+            vectors = nn.functional.embedding(ids, table).sum(dim=1).transpose(1, 2)
+            part = vectors if proj is None else proj(vectors)
+            total = part if total is None else total + part
+        if total is None:
+            raise ValueError("no codebooks to decode")
+        return total
+
+
+def _decoder_parts(mimi: Any) -> tuple[Any, Any, Any]:
+    """(upsample, decoder transformer, SEANet decoder) in either transformers layout: grouped under ``mimi.decoder``
+    (newer releases) or as attributes of the model itself (older ones, where ``mimi.decoder`` is the SEANet)."""
+    decoder = getattr(mimi, "decoder", None)
+    if decoder is None:
+        raise UnsupportedCodec("the Mimi model has no decoder")
+    if hasattr(decoder, "decoder_seanet"):
+        return decoder.upsample, decoder.decoder_transformer, decoder.decoder_seanet
+    return getattr(mimi, "upsample", None), mimi.decoder_transformer, decoder
+
+
 class MimiStreamDecoder:
     """Streams Mimi codes to waveform for up to ``max_slots`` sessions, exactly equal to a full decode."""
 
     def __init__(self, mimi: Any, max_slots: int) -> None:
-        decoder = mimi.decoder
-        if decoder is None:
-            raise UnsupportedCodec("the Mimi model has no decoder")
-        param = next(decoder.parameters())
+        upsample, transformer, seanet = _decoder_parts(mimi)
+        param = next(seanet.parameters())
         self.device: torch.device = param.device
         self.dtype: torch.dtype = param.dtype
         self.max_slots = max_slots
+        self.scratch = max_slots
+        slots = max_slots + 1
         self.sample_rate = int(mimi.config.sampling_rate)
         self.num_codebooks = int(mimi.config.num_quantizers)
         self.codebook_size = int(mimi.config.codebook_size)
-        self._quantizer: Any = mimi.quantizer
-        self._upsample = (
-            None
-            if decoder.upsample is None
-            else _TransposedConvState(decoder.upsample, max_slots, self.device, self.dtype)
-        )
-        self._transformer = _WindowedTransformer(decoder.decoder_transformer, max_slots, self.device, self.dtype)
-        self._seanet: Sequence[Any] = list(decoder.decoder_seanet.layers)
+        self._quantizer = _QuantizerTables(mimi.quantizer)
+        self._upsample = None if upsample is None else _TransposedConvState(upsample, slots, self.device, self.dtype)
+        self._transformer = _WindowedTransformer(transformer, slots, self.device, self.dtype)
+        self._seanet: Sequence[Any] = list(seanet.layers)
         self._convs: dict[nn.Module, _ConvState] = {}
         self._transposed: dict[nn.Module, _TransposedConvState] = {}
-        for module in decoder.decoder_seanet.modules():
+        for module in seanet.modules():
             if isinstance(module, MimiConv1d):
-                self._convs[module] = _ConvState(module, max_slots, self.device, self.dtype)
+                self._convs[module] = _ConvState(module, slots, self.device, self.dtype)
             elif isinstance(module, MimiConvTranspose1d):
-                self._transposed[module] = _TransposedConvState(module, max_slots, self.device, self.dtype)
+                self._transposed[module] = _TransposedConvState(module, slots, self.device, self.dtype)
         if any(not isinstance(layer, MimiTransformerLayer) for layer in self._transformer.layers):
             raise UnsupportedCodec("unexpected decoder transformer layer")
         upsample_factor = 1 if self._upsample is None else self._upsample.stride
         self.samples_per_frame = upsample_factor * int(torch.tensor(mimi.config.upsampling_ratios).prod())
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Device bytes of one session's decoder state."""
+        tensors = [self._transformer.keys[:, 0], self._transformer.values[:, 0]]
+        tensors += [conv.history[0] for conv in self._convs.values()]
+        tensors += [t.tail[0] for t in self._transposed.values()]
+        if self._upsample is not None:
+            tensors.append(self._upsample.tail[0])
+        return sum(t.numel() * t.element_size() for t in tensors) + 16
 
     def reset(self, slot: int) -> None:
         """Forget the session in ``slot``: the next frame decoded there starts a new stream."""
@@ -209,11 +272,16 @@ class MimiStreamDecoder:
         """
         if codes.shape[0] != len(slots) or len(set(slots)) != len(slots):
             raise ValueError("decode needs one distinct slot per row of codes")
-        index = torch.tensor(slots, device=self.device)
-        x: torch.Tensor = self._quantizer.decode(codes.to(self.device)).to(self.dtype)
+        return self.decode_frames(codes.to(self.device), torch.tensor(slots, device=self.device))
+
+    @torch.no_grad()
+    def decode_frames(self, codes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` with the slots as a device tensor and no checks or host reads (CUDA-graph safe). Rows may
+        repeat :attr:`scratch`, whose state is garbage by design."""
+        x = self._quantizer.decode(codes).to(self.dtype)
         if self._upsample is not None:
             x = self._upsample(x, index)
-        x = self._transformer(x.transpose(1, 2), slots, index).transpose(1, 2)
+        x = self._transformer(x.transpose(1, 2), index).transpose(1, 2)
         for layer in self._seanet:
             x = self._run(layer, x, index)
         return x[:, 0]

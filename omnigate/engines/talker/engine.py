@@ -2,11 +2,12 @@
 
 Each :meth:`TalkerEngine.step` advances every stream of the batch by at most one codec frame (80 ms for Mimi):
 
-1. streams starting a text unit extend their slot's context with the unit's tokens (one prefill forward each),
-   and streams mid-unit append their last frame, all of those in one batched backbone forward;
-2. codebook 0 and then the residual codebooks are sampled for all of them together (backbone head, depth decoder);
-3. frames collect per stream and leave as PCM in chunks that ramp 1, 2, 4, 8 frames, decoded by one streaming
-   Mimi call per chunk size across streams.
+1. streams starting a text unit extend their slot's context with the unit's tokens, all of them in one prefill
+   forward over the flattened tokens;
+2. one device step (:class:`~omnigate.engines.talker.frame_step.FrameStep`, a CUDA graph per batch-size bucket on a
+   GPU) runs the backbone one position on for the streams mid-unit, samples codebook 0 and the residual codebooks for
+   every row, decodes each new frame through the streaming Mimi decoder and converts it to s16 PCM;
+3. frames collect per stream as PCM and leave in chunks that ramp 1, 2, 4, 8 frames.
 
 A stream never generates audio its credit cannot take: it advances only when its budget covers the frames it holds
 plus one more, and flushes what it holds when it cannot. One stream is one utterance; each text unit becomes a
@@ -43,6 +44,7 @@ from omnigate.engines.base import (
 )
 from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
 from omnigate.engines.talker.context import ContextSegment, validate_context
+from omnigate.engines.talker.frame_step import FrameStep, StepResult, StepRows
 from omnigate.engines.talker.frames import FrameModel
 from omnigate.engines.talker.model import TalkerModel, clear_codebook_cache, load_talker_model
 from omnigate.engines.talker.options import TORCH_DTYPES, TalkerOptions
@@ -66,7 +68,10 @@ class TalkerEngine(Engine):
         if options.threads is not None:
             torch.set_num_threads(options.threads)
         dtype = TORCH_DTYPES[options.dtype]
-        codec_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+        if options.codec_dtype is not None:
+            codec_dtype = TORCH_DTYPES[options.codec_dtype]
+        else:
+            codec_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
         csm = model.csm.to(torch.device(options.device))
         for name, child in csm.named_children():
             # Converted separately so the codec's codebooks never pass through the lower precision.
@@ -83,10 +88,15 @@ class TalkerEngine(Engine):
             valid_ids=min(int(config.vocab_size), self.codec.codebook_size),
             eos_id=int(config.codebook_eos_token_id),
             eos_bias=options.eos_bias,
+            top_p=options.top_p,
+            repetition_penalty=options.repetition_penalty,
+            repetition_window=options.repetition_window,
         )
         self.frames = FrameModel(
             model, max_slots=options.max_sessions, max_batch=options.max_batch, capacity=capacity, sampler=sampler
         )
+        graphs = options.cuda_graphs and self.frames.device.type == "cuda"
+        self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
         self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
         self.sample_rate = self.codec.sample_rate
         self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate
@@ -119,7 +129,7 @@ class TalkerEngine(Engine):
             parsed = msgspec.convert(options, TalkerOptions, strict=False)
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid talker option: {exc}") from None
-        return cls(load_talker_model(model, seed=parsed.seed), parsed)
+        return cls(load_talker_model(model, seed=parsed.seed, device=parsed.device), parsed)
 
     @property
     def free_slots(self) -> int:
@@ -189,7 +199,7 @@ class TalkerEngine(Engine):
 
     def _release(self, stream: TalkerStream) -> None:
         stream.pending.clear()
-        stream.last_frame = None
+        stream.pending_rms.clear()
         with self._slot_lock:
             if stream.slot is not None:
                 self._free_slots.append(stream.slot)
@@ -203,6 +213,7 @@ class TalkerEngine(Engine):
                 stream.slot = self._free_slots.pop()
             self.frames.cache.reset(stream.slot)
             self.codec.reset(stream.slot)
+            self.device_step.reset(stream.slot)
         return stream.slot
 
     def _finish(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
@@ -217,47 +228,46 @@ class TalkerEngine(Engine):
         outputs: list[list[EngineOutput]] = [[] for _ in batch]
         endings: dict[int, StopReason] = {}
         with torch.no_grad():
-            rows, hidden = self._forward(batch, budget_ms, outputs, endings)
-            if rows:
-                self._sample(batch, rows, hidden, endings)
+            advancing, starting = self._plan(batch, budget_ms, outputs, endings)
+            if advancing or starting:
+                self._generate(batch, advancing, starting, endings)
             self._emit_audio(batch, budget_ms, outputs, endings)
         for row, reason in endings.items():
             self._end_segment(batch[row], reason, outputs[row])
         return outputs
 
-    def _forward(
+    def _plan(
         self,
         batch: list[TalkerStream],
         budget_ms: Sequence[float],
         outputs: list[list[EngineOutput]],
         endings: dict[int, StopReason],
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """Prefill streams starting a unit, then advance the others together; returns rows and hidden states."""
-        rows: list[int] = []
-        hidden: list[torch.Tensor] = []
+    ) -> tuple[list[int], list[tuple[int, torch.Tensor]]]:
+        """Rows that advance one frame, and rows that start a unit this step with the embeddings they prefill."""
         advancing: list[int] = []
+        starting: list[tuple[int, torch.Tensor]] = []
+        prefill_tokens = 0
         for row, (stream, budget) in enumerate(zip(batch, budget_ms, strict=True)):
             if stream.finished or stream.closed:
                 continue
             if stream.segment is None:
-                state = self._start_segment(stream, budget, outputs[row])
-                if state is not None:
-                    rows.append(row)
-                    hidden.append(state)
+                room = self.options.prefill_tokens_per_step - prefill_tokens if starting else None
+                embeddings = self._start_segment(stream, budget, outputs[row], room)
+                if embeddings is not None:
+                    starting.append((row, embeddings))
+                    prefill_tokens += embeddings.shape[0]
             elif budget >= (len(stream.pending) + 1) * self.frame_ms:
                 if self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity:
                     endings[row] = "max_duration"  # the context window is full: nothing more can follow
                 else:
                     advancing.append(row)
-        if advancing:
-            slots = [_slot(batch[row]) for row in advancing]
-            last = torch.stack([_last_frame(batch[row]) for row in advancing])
-            hidden.append(self.frames.advance(slots, last))
-            rows.extend(advancing)
-        return rows, hidden
+        return advancing, starting
 
-    def _start_segment(self, stream: TalkerStream, budget: float, out: list[EngineOutput]) -> torch.Tensor | None:
-        """Begin the next text unit when credit allows; returns the prefill's last hidden state ``[1, hidden]``."""
+    def _start_segment(
+        self, stream: TalkerStream, budget: float, out: list[EngineOutput], room: int | None
+    ) -> torch.Tensor | None:
+        """Begin the next text unit when credit allows and its tokens fit in ``room`` (None: any size); returns the
+        embeddings to prefill ``[T, hidden]``."""
         while stream.pending_text and not stream.pending_text[0].strip():
             stream.pending_text.pop(0)  # a blank unit has nothing to say
         if not stream.pending_text:
@@ -269,9 +279,12 @@ class TalkerEngine(Engine):
         if stream.audio_frames >= stream.frame_limit:
             self._finish(stream, "max_duration", out)
             return None
-        slot = self._acquire(stream)
-        text = stream.pending_text.pop(0)
+        text = stream.pending_text[0]
         tokens = self.model.segments.encode(stream.params.voice, text)
+        if room is not None and len(tokens) + 1 > room:
+            return None  # this step's prefill is full; the unit starts next step
+        slot = self._acquire(stream)
+        stream.pending_text.pop(0)
         embeddings = self.frames.embed_text(tokens)
         if stream.has_context:
             closing = self.frames.embed_frames(self.frames.end_of_audio())
@@ -293,28 +306,53 @@ class TalkerEngine(Engine):
             stream.restart_ramp = False
         out.append(SegmentStarted(index=stream.segment.index, text=text))
         stream.has_context = True
-        return self.frames.extend(slot, embeddings)
+        return embeddings
 
-    def _sample(
-        self, batch: list[TalkerStream], rows: list[int], hidden: list[torch.Tensor], endings: dict[int, StopReason]
+    def _generate(
+        self,
+        batch: list[TalkerStream],
+        advancing: list[int],
+        starting: list[tuple[int, torch.Tensor]],
+        endings: dict[int, StopReason],
     ) -> None:
-        """Sample one frame for each of ``rows``; an all end-of-audio frame completes the segment."""
-        device = self.frames.device
+        """Prefill the starting rows, run the device step for all rows, and file each row's frame of audio."""
+        prefill_hidden = None
+        if starting:
+            prefill_hidden = self.frames.prefill([_slot(batch[row]) for row, _ in starting], [e for _, e in starting])
+        rows = advancing + [row for row, _ in starting]
+        streams = [batch[row] for row in rows]
+        slots = [_slot(stream) for stream in streams]
+        window = self.device_step.window
         codebooks = self.frames.num_codebooks
-        seeds = torch.tensor([batch[row].seed for row in rows], device=device)
-        counters = torch.tensor([batch[row].draws * codebooks for row in rows], device=device)
-        frames = self.frames.sample(torch.cat(hidden), seeds, counters)
-        is_end = (frames == self.frames.eos_id).all(dim=-1).tolist()
+        result = self.device_step.run(
+            StepRows(
+                slots=slots,
+                positions=[self.frames.cache.length(slot) for slot in slots[: len(advancing)]],
+                seeds=[stream.seed for stream in streams],
+                counters=[stream.draws * codebooks for stream in streams],
+                rings=[stream.draws % window if window else 0 for stream in streams],
+                decoding=len(advancing),
+            ),
+            prefill_hidden,
+        )
+        self.frames.cache.commit(slots[: len(advancing)], [1] * len(advancing))
+        self._file_frames(batch, rows, result, endings)
+
+    def _file_frames(
+        self, batch: list[TalkerStream], rows: list[int], result: StepResult, endings: dict[int, StopReason]
+    ) -> None:
+        """Hold each row's new frame of PCM; an end-of-audio frame completes the segment instead."""
+        ended = result.ended.tolist()
+        rms = result.rms.tolist()
         for k, row in enumerate(rows):
             stream = batch[row]
             segment = _segment(stream)
             stream.draws += 1
-            if is_end[k]:
+            if ended[k]:
                 endings[row] = "completed"
                 continue
-            frame = frames[k]
-            stream.pending.append(frame)
-            stream.last_frame = frame
+            stream.pending.append(_le_bytes(result.pcm[k]))
+            stream.pending_rms.append(rms[k])
             stream.audio_frames += 1
             segment.frames += 1
             if stream.audio_frames >= stream.frame_limit or segment.frames == segment.frame_limit:
@@ -327,37 +365,29 @@ class TalkerEngine(Engine):
         outputs: list[list[EngineOutput]],
         endings: dict[int, StopReason],
     ) -> None:
-        """Decode the frames of every stream whose chunk is due, one codec call per chunk length."""
-        groups: dict[int, list[int]] = {}
+        """Send the held frames of every stream whose chunk is due, ends, or has no credit for more."""
         for row, stream in enumerate(batch):
             held = len(stream.pending)
             if not held:
                 continue
             full = held >= self.schedule.frames(stream.chunk)
             starved = budget_ms[row] < (held + 1) * self.frame_ms
-            if full or starved or row in endings:
-                groups.setdefault(held, []).append(row)
-        for length, rows in groups.items():
-            codes = torch.stack([torch.stack(batch[row].pending, dim=-1) for row in rows])
-            audio = self.codec.decode(codes, [_slot(batch[row]) for row in rows]).clamp(-1.0, 1.0)
-            rms = audio.float().view(len(rows), length, -1).pow(2).mean(dim=-1).sqrt().cpu().tolist()
-            pcm = (audio.float() * 32767.0).round().to(torch.int16).cpu().numpy()
-            for k, row in enumerate(rows):
-                stream = batch[row]
-                stream.pending.clear()
-                stream.chunk += 1
-                index = _segment(stream).index
-                outputs[row].append(
-                    AudioChunk(segment_index=index, pcm=_le_bytes(pcm[k]), sample_rate=self.sample_rate)
-                )
-                if stream.silence.feed(rms[k]) and row not in endings:
-                    endings[row] = "silence"
+            if not (full or starved or row in endings):
+                continue
+            pcm = b"".join(stream.pending)
+            rms = list(stream.pending_rms)
+            stream.pending.clear()
+            stream.pending_rms.clear()
+            stream.chunk += 1
+            outputs[row].append(AudioChunk(segment_index=_segment(stream).index, pcm=pcm, sample_rate=self.sample_rate))
+            if stream.silence.feed(rms) and row not in endings:
+                endings[row] = "silence"
 
     def _end_segment(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
         out.append(SegmentDone(index=_segment(stream).index, reason=reason))
         stream.segment = None
-        stream.last_frame = None
         stream.pending.clear()
+        stream.pending_rms.clear()
         # Silence, the utterance's duration cap and a full context window end the stream; a unit's own cap only it.
         context_full = self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity
         if reason == "silence" or stream.audio_frames >= stream.frame_limit or context_full:
@@ -385,12 +415,6 @@ def _slot(stream: TalkerStream) -> int:
     if stream.slot is None:
         raise RuntimeError("stream holds no slot")
     return stream.slot
-
-
-def _last_frame(stream: TalkerStream) -> torch.Tensor:
-    if stream.last_frame is None:
-        raise RuntimeError("stream has no frame to continue from")
-    return stream.last_frame
 
 
 def _le_bytes(samples: np.ndarray[Any, np.dtype[np.int16]]) -> bytes:

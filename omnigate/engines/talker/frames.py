@@ -2,18 +2,23 @@
 
 The backbone reads a sequence of text-token and audio-frame embeddings and predicts codebook 0 of the next frame
 from its last hidden state; the depth decoder then predicts codebooks 1..N-1 one after another, starting from that
-hidden state and codebook 0. Both run batched over all streams of a step.
+hidden state and codebook 0. Both run batched over all streams of a step. :meth:`FrameModel.decode` and
+:meth:`FrameModel.generate` read nothing from the host and use fixed-size index tensors, so a whole step can be
+captured in a CUDA graph; :meth:`FrameModel.prefill` plans on the host and runs eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from omnigate.engines.talker.decoder_stack import DecoderStack
+from omnigate.engines.talker.kv_slots import SlotKVCache
 from omnigate.engines.talker.model import TalkerModel
 from omnigate.engines.talker.sampling import TokenSampler
-from omnigate.engines.talker.slot_decoder import SlotDecoder
+from omnigate.kernels.sampling import SamplingRows, sample_tokens
 
 
 class FrameModel:
@@ -41,17 +46,26 @@ class FrameModel:
         self._frame_embeddings = csm.backbone_model.embed_tokens
         self._codebook0_head = csm.lm_head
         backbone = csm.backbone_model
-        self.backbone = SlotDecoder(backbone.layers, backbone.norm, backbone.rotary_emb, config)
-        self.cache = self.backbone.new_cache(slots=max_slots, capacity=capacity, device=self.device, dtype=self.dtype)
+        self._backbone_rotary = backbone.rotary_emb
+        self.backbone = DecoderStack(backbone.layers, backbone.norm, config)
+        self.cache = SlotKVCache(
+            layers=self.backbone.layers,
+            slots=max_slots,
+            capacity=capacity,
+            kv_heads=self.backbone.kv_heads,
+            head_dim=self.backbone.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
         depth = csm.depth_decoder.model
-        self.depth = SlotDecoder(depth.layers, depth.norm, depth.rotary_emb, depth.config)
+        self.depth = DecoderStack(depth.layers, depth.norm, depth.config)
         self._depth_embeddings = depth.embed_tokens
         self._depth_projector = depth.inputs_embeds_projector
         self._depth_heads: torch.Tensor = csm.depth_decoder.codebooks_head.weight  # [N-1, hidden, vocab]
-        self._depth_cache = self.depth.new_cache(
-            slots=max_batch, capacity=self.num_codebooks, device=self.device, dtype=self.dtype
-        )
-        self._depth_rows = list(range(max_batch))
+        self._depth = _DepthPlan(self.depth, depth.rotary_emb, self.num_codebooks, max_batch, self.device, self.dtype)
+        self._no_history = torch.full((1, self.num_codebooks, 0), -1, dtype=torch.int64, device=self.device)
+
+    # ---- embeddings ---------------------------------------------------------------------------------------------
 
     def embed_text(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``[T, hidden]`` embeddings of text tokens."""
@@ -69,44 +83,126 @@ class FrameModel:
         """The frame that closes a segment's audio: every codebook at the end-of-audio id."""
         return torch.full((self.num_codebooks,), self.eos_id, device=self.device, dtype=torch.long)
 
+    # ---- backbone -------------------------------------------------------------------------------------------------
+
+    def _backbone(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._backbone_rotary(x[None], positions[None])
+        out = self.backbone.forward(x, self.cache.keys, self.cache.values, slots, positions, cos[0], sin[0])
+        return out
+
     @torch.no_grad()
+    def prefill(self, slots: Sequence[int], embeddings: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Append ``embeddings[i]`` (``[T_i, hidden]``) to ``slots[i]``'s context in one forward over all their
+        tokens; returns each slot's last hidden state after the final norm, ``[len(slots), hidden]``."""
+        counts = [int(e.shape[0]) for e in embeddings]
+        rows = self.cache.plan(slots, counts)
+        x = self._backbone(torch.cat(list(embeddings)).to(self.dtype), rows.slots, rows.positions)
+        self.cache.commit(slots, counts)
+        last = torch.tensor(rows.last_rows(), device=self.device)
+        return self.backbone.norm(x.index_select(0, last))
+
     def extend(self, slot: int, embeddings: torch.Tensor) -> torch.Tensor:
-        """Append ``[T, hidden]`` embeddings to ``slot``'s context; returns the last position's hidden state."""
-        batch = self.cache.batch([slot], embeddings.shape[0])
-        hidden = self.backbone(embeddings.unsqueeze(0).to(self.dtype), self.cache, batch)
-        return hidden[:, -1]
+        """Append ``[T, hidden]`` embeddings to ``slot``'s context; returns the last hidden state ``[1, hidden]``."""
+        return self.prefill([slot], [embeddings])
+
+    def decode(self, slots: torch.Tensor, positions: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """Append frame ``frames[r]`` (``[R, N]``) at ``positions[r]`` of ``slots[r]``; returns the normed hidden
+        states ``[R, hidden]``. Device-only: the caller commits the lengths."""
+        return self.backbone.norm(self._backbone(self.embed_frames(frames), slots, positions))
 
     @torch.no_grad()
     def advance(self, slots: Sequence[int], frames: torch.Tensor) -> torch.Tensor:
         """Append each slot's last frame (``[B, N]``); returns ``[B, hidden]`` hidden states."""
-        batch = self.cache.batch(slots, 1)
-        hidden = self.backbone(self.embed_frames(frames).unsqueeze(1), self.cache, batch)
-        return hidden[:, 0]
+        rows = self.cache.plan(slots, [1] * len(slots))
+        hidden = self.decode(rows.slots, rows.positions, frames)
+        self.cache.commit(slots, [1] * len(slots))
+        return hidden
 
-    @torch.no_grad()
-    def sample(self, hidden: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-        """Sample the next frame ``[B, N]`` of each row from its backbone hidden state ``[B, hidden]``.
-
-        Draw ``counters[b] + i`` samples codebook ``i`` of row ``b``.
-        """
-        rows = hidden.shape[0]
-        if rows > self.max_batch:
-            raise ValueError(f"{rows} rows exceed the depth decoder batch of {self.max_batch}")
-        codes = [self.sampler(self.codebook0_logits(hidden), seeds, counters)]
-        for row in self._depth_rows[:rows]:
-            self._depth_cache.reset(row)
-        slots = self._depth_rows[:rows]
-        first = self._depth_embeddings(codes[0])
-        x = torch.stack((hidden, first), dim=1)
-        for i in range(1, self.num_codebooks):
-            batch = self._depth_cache.batch(slots, x.shape[1])
-            out = self.depth(self._depth_projector(x), self._depth_cache, batch)
-            logits = out[:, -1] @ self._depth_heads[i - 1]
-            codes.append(self.sampler(logits, seeds, counters + i))
-            x = self._depth_embeddings(codes[i] + i * self.vocab_size).unsqueeze(1)
-        return torch.stack(codes, dim=1)
+    # ---- one frame from a hidden state ----------------------------------------------------------------------------
 
     def codebook0_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Backbone logits ``[..., vocab]`` for codebook 0."""
         out: torch.Tensor = self._codebook0_head(hidden)
         return out
+
+    def generate(self, hidden: torch.Tensor, rows: SamplingRows, history: torch.Tensor) -> torch.Tensor:
+        """Sample the next frame ``[B, N]`` of each row from its backbone hidden state ``[B, hidden]``: codebook 0
+        from the backbone head, the others through the depth decoder. ``history`` ``[slots, N, W]`` holds each
+        stream's repetition windows per codebook (``W`` may be 0). Device-only, fixed shapes."""
+        count = hidden.shape[0]
+        if count > self.max_batch:
+            raise ValueError(f"{count} rows exceed the depth decoder batch of {self.max_batch}")
+        vocab = self.sampler.vocabulary
+        codes = [sample_tokens(self.codebook0_logits(hidden), rows, history[:, 0], 0, vocab)]
+        plan = self._depth
+        # Depth positions 0 and 1 (the backbone state and codebook 0) in one forward: two rows per stream.
+        first = self._depth_embeddings(codes[0])
+        pairs = torch.stack((hidden, first), dim=1).reshape(2 * count, -1)
+        x = self.depth.forward(self._depth_projector(pairs), *plan.pair_rows(count))[1::2]
+        for i in range(1, self.num_codebooks):
+            if i > 1:
+                x = self.depth.forward(self._depth_projector(x), *plan.rows_at(i, count))
+            logits = self.depth.norm(x) @ self._depth_heads[i - 1]
+            codes.append(sample_tokens(logits, rows, history[:, i], i, vocab))
+            if i + 1 < self.num_codebooks:
+                x = self._depth_embeddings(codes[i] + i * self.vocab_size)
+        return torch.stack(codes, dim=1)
+
+    @torch.no_grad()
+    def sample(self, hidden: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        """:meth:`generate` without repetition windows: draw ``counters[b] + i`` samples codebook ``i`` of row ``b``."""
+        return self.generate(hidden, self.sampler.rows(seeds, counters), self._no_history)
+
+
+class _DepthPlan:
+    """The depth decoder's fixed row layout: row ``r`` of a step owns depth-cache slot ``r``, positions ``0..N-1``
+    are the same for every row, so the index tensors and rotary tables are built once and sliced per batch size."""
+
+    def __init__(
+        self,
+        stack: DecoderStack,
+        rotary: Any,
+        positions: int,
+        max_batch: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (stack.layers, max_batch, positions, stack.kv_heads, stack.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        ids = torch.arange(positions, device=device)
+        probe = torch.zeros(1, positions, stack.heads * stack.head_dim, device=device, dtype=dtype)
+        cos, sin = rotary(probe, ids[None])
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [N, D]
+        rows = torch.arange(max_batch, device=device)
+        self.rows = rows
+        self.pair_slots = rows.repeat_interleave(2)
+        self.pair_positions = torch.tensor([0, 1], device=device).repeat(max_batch)
+        self.pair_cos = self.cos[self.pair_positions].contiguous()
+        self.pair_sin = self.sin[self.pair_positions].contiguous()
+        self.position = ids[:, None].expand(positions, max_batch).contiguous()  # [N, max_batch]
+        self.length = self.position + 1
+
+    def pair_rows(self, count: int) -> tuple[torch.Tensor, ...]:
+        """Forward arguments after ``x`` for positions 0 and 1 of ``count`` streams (rows interleaved)."""
+        n = 2 * count
+        return (
+            self.keys,
+            self.values,
+            self.pair_slots[:n],
+            self.pair_positions[:n],
+            self.pair_cos[:n],
+            self.pair_sin[:n],
+        )
+
+    def rows_at(self, position: int, count: int) -> tuple[torch.Tensor, ...]:
+        """Forward arguments after ``x`` for one token per stream at ``position``."""
+        return (
+            self.keys,
+            self.values,
+            self.rows[:count],
+            self.position[position, :count],
+            self.cos[position].expand(count, -1),
+            self.sin[position].expand(count, -1),
+            self.length[position, :count],
+        )

@@ -1,8 +1,9 @@
 """A key/value cache organised in slots: one preallocated row per stream, each with its own length.
 
-Streams join and leave between steps by taking and returning a slot; a forward over any set of slots appends the
-same number of new tokens to each, writes them at each slot's own length and attends over that slot's history only.
-Lengths are kept on the host, so planning a step never waits on the device.
+Streams join and leave between steps by taking and returning a slot. A forward appends tokens to any set of slots,
+each writing at its own length and attending over its own history only. Lengths are kept on the host, so planning a
+step never waits on the device. One extra slot, :attr:`SlotKVCache.scratch`, belongs to no stream: rows of a
+fixed-size batch that carry no stream write there.
 """
 
 from __future__ import annotations
@@ -18,22 +19,26 @@ class ContextFull(Exception):
 
 
 @dataclass(frozen=True)
-class SlotBatch:
-    """Where the new tokens of one forward go: rows, their cache positions, and what each token may attend to."""
+class TokenRows:
+    """The new tokens of one forward, flattened: which slot and cache position each token goes to."""
 
-    slots: tuple[int, ...]
-    index: torch.Tensor  # [B] slot of each row
-    positions: torch.Tensor  # [B, T] cache position (and rotary position) of each new token
-    allowed: torch.Tensor  # [B, T, span] key visibility, causal within each slot
-    span: int  # keys read per row: the longest history in the batch plus the new tokens
+    slots: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64: cache position, also the rotary position
+    counts: tuple[int, ...]  # tokens per planned slot, in order
+    planned: tuple[int, ...]  # the slots, once each
 
-    @property
-    def steps(self) -> int:
-        return int(self.positions.shape[1])
+    def last_rows(self) -> list[int]:
+        """Index of each planned slot's last token among the rows."""
+        ends, total = [], 0
+        for count in self.counts:
+            total += count
+            ends.append(total - 1)
+        return ends
 
 
 class SlotKVCache:
-    """Keys and values of ``layers`` attention layers for ``slots`` streams of up to ``capacity`` tokens."""
+    """Keys and values of ``layers`` attention layers for ``slots`` streams (plus a scratch slot) of up to
+    ``capacity`` tokens, laid out ``[layers, slot, position, kv_heads, head_dim]``."""
 
     def __init__(
         self,
@@ -46,12 +51,19 @@ class SlotKVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        shape = (layers, slots, capacity, kv_heads, head_dim)
+        shape = (layers, slots + 1, capacity, kv_heads, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
         self.device = device
-        self._lengths = [0] * slots
+        self.scratch = slots
+        self._lengths = [0] * (slots + 1)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Device bytes of one slot's keys and values."""
+        per = self.keys[:, 0].numel() * self.keys.element_size()
+        return 2 * per
 
     def length(self, slot: int) -> int:
         """Tokens held by ``slot``."""
@@ -61,37 +73,24 @@ class SlotKVCache:
         """Empty ``slot`` for a new stream; stale entries beyond the length are never read."""
         self._lengths[slot] = 0
 
-    def batch(self, slots: Sequence[int], steps: int) -> SlotBatch:
-        """Plan a forward appending ``steps`` tokens to each of ``slots``. Raises :class:`ContextFull`."""
-        lengths = [self._lengths[s] for s in slots]
-        if max(lengths) + steps > self.capacity:
-            raise ContextFull(f"a slot cannot take {steps} more tokens (capacity {self.capacity})")
-        start = torch.tensor(lengths, device=self.device)
-        offsets = torch.arange(steps, device=self.device)
-        positions = start[:, None] + offsets[None, :]
-        span = max(lengths) + steps
-        keys = torch.arange(span, device=self.device)
-        allowed = keys[None, None, :] <= positions[:, :, None]
-        return SlotBatch(
-            slots=tuple(slots),
-            index=torch.tensor(list(slots), device=self.device),
-            positions=positions,
-            allowed=allowed,
-            span=span,
+    def plan(self, slots: Sequence[int], counts: Sequence[int]) -> TokenRows:
+        """Rows appending ``counts[i]`` tokens to ``slots[i]``. Raises :class:`ContextFull`."""
+        slot_ids: list[int] = []
+        positions: list[int] = []
+        for slot, count in zip(slots, counts, strict=True):
+            start = self._lengths[slot]
+            if start + count > self.capacity:
+                raise ContextFull(f"slot {slot} cannot take {count} more tokens (capacity {self.capacity})")
+            slot_ids.extend([slot] * count)
+            positions.extend(range(start, start + count))
+        return TokenRows(
+            slots=torch.tensor(slot_ids, device=self.device, dtype=torch.int64),
+            positions=torch.tensor(positions, device=self.device, dtype=torch.int64),
+            counts=tuple(counts),
+            planned=tuple(slots),
         )
 
-    def append(
-        self, layer: int, batch: SlotBatch, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new ``[B, T, Hkv, D]`` keys and values, and return each row's ``[B, span, Hkv, D]`` history."""
-        rows = batch.index[:, None].expand_as(batch.positions)
-        self.keys[layer].index_put_((rows, batch.positions), keys)
-        self.values[layer].index_put_((rows, batch.positions), values)
-        history_keys = self.keys[layer, :, : batch.span].index_select(0, batch.index)
-        history_values = self.values[layer, :, : batch.span].index_select(0, batch.index)
-        return history_keys, history_values
-
-    def commit(self, batch: SlotBatch) -> None:
-        """Count the batch's tokens as held, once every layer has appended them."""
-        for slot in batch.slots:
-            self._lengths[slot] += batch.steps
+    def commit(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Count appended tokens as held, once every layer has written them."""
+        for slot, count in zip(slots, counts, strict=True):
+            self._lengths[slot] += count

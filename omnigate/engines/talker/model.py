@@ -120,13 +120,18 @@ def randomize_codebooks(mimi: Any, generator: torch.Generator) -> None:
     clear_codebook_cache(mimi)
 
 
-def build_preset(name: str, *, seed: int = 0) -> TalkerModel:
-    """Build preset ``name`` with weights drawn from ``seed`` (deterministic) and a byte-level tokenizer."""
+def build_preset(name: str, *, seed: int = 0, device: str = "cpu") -> TalkerModel:
+    """Build preset ``name`` with weights drawn from ``seed`` and a byte-level tokenizer.
+
+    The weights are drawn on ``device`` (a billion-parameter preset initialises in seconds on a GPU, minutes on a
+    CPU), so they are deterministic per device type, not across them.
+    """
     try:
         config = PRESETS[name]()
     except KeyError:
         raise ModelSpecError(f"unknown talker preset {name!r}; choose one of {', '.join(sorted(PRESETS))}") from None
-    with torch.random.fork_rng(devices=[]):
+    target = torch.device(device)
+    with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []), target:
         torch.manual_seed(seed)
         csm: Any = CsmForConditionalGeneration(config)
     generator = torch.Generator().manual_seed(seed)
@@ -173,12 +178,12 @@ def load_checkpoint(path: Path) -> TalkerModel:
     )
 
 
-def load_talker_model(spec: str | None, *, seed: int = 0) -> TalkerModel:
-    """Resolve ``--model``: ``preset:NAME`` or a checkpoint directory."""
+def load_talker_model(spec: str | None, *, seed: int = 0, device: str = "cpu") -> TalkerModel:
+    """Resolve ``--model``: ``preset:NAME`` (built on ``device``) or a checkpoint directory."""
     if not spec:
         raise ModelSpecError("the talker engine needs --model PATH (a CSM checkpoint directory) or preset:NAME")
     if spec.startswith(PRESET_PREFIX):
-        return build_preset(spec[len(PRESET_PREFIX) :], seed=seed)
+        return build_preset(spec[len(PRESET_PREFIX) :], seed=seed, device=device)
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ModelSpecError(f"talker model {spec!r} is neither preset:NAME nor a directory")

@@ -24,9 +24,15 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8  # streams per step
     device: str = "cpu"
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch CPU threads for the process; None: torch's
-    dtype: DType = "float32"  # backbone and depth decoder; the codec runs in float32 below that precision
+    dtype: DType = "float32"  # backbone and depth decoder
+    codec_dtype: DType | None = None  # the Mimi decoder; None: float32 when dtype is lower, else dtype
+    cuda_graphs: bool = True  # on CUDA, capture each step size as a CUDA graph
+    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 4096  # more new text waits for the next step
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.9  # 0: greedy
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 50  # 0: no top-k
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # 1: no top-p
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0  # 1: none
+    repetition_window: Annotated[int, msgspec.Meta(ge=0, le=64)] = 16  # frames of each codebook the penalty sees
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0  # weights of presets and default stream seeds
     chunk_first_frames: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     chunk_max_frames: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8

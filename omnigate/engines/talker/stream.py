@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from omnigate.engines.base import EngineStream, SynthesisParams
 from omnigate.engines.talker.context import ContextSegment
 from omnigate.engines.talker.stopping import SilenceDetector
@@ -22,7 +20,7 @@ class Segment:
 
 
 class TalkerStream(EngineStream):
-    """One utterance: its slot, its segment, and the frames generated but not yet decoded to audio."""
+    """One utterance: its slot, its segment, and the audio of frames generated but not yet sent."""
 
     def __init__(
         self,
@@ -42,8 +40,8 @@ class TalkerStream(EngineStream):
         self.segment: Segment | None = None
         self.next_segment = 0
         self.has_context = False  # something is in the KV cache: a new segment first closes the previous audio
-        self.last_frame: torch.Tensor | None = None  # [N] the frame the backbone reads next
-        self.pending: list[torch.Tensor] = []  # generated frames awaiting the codec
+        self.pending: list[bytes] = []  # decoded frames (s16le PCM) not yet sent, one entry per frame
+        self.pending_rms: list[float] = []  # their RMS levels, for the silence detector
         self.chunk = 0  # position in the chunk ramp
         self.restart_ramp = False  # the stream ran out of text, so its client's buffer may have drained
         self.audio_frames = 0

@@ -11,6 +11,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from omnigate.engines.byte_tokens import byte_symbols
+
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 AUDIO_TOKEN = "<|AUDIO|>"
@@ -18,21 +20,9 @@ AUDIO_EOS_TOKEN = "<|audio_eos|>"
 BYTE_VOCAB_SIZE = 260  # 256 byte tokens, then bos, eos, audio, audio_eos
 
 
-def _byte_symbols() -> list[str]:
-    """The printable stand-in of each byte value, as byte-level BPE tokenizers spell them (GPT-2 layout)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in symbols:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in range(256)]
-
-
 def byte_level_tokenizer() -> Any:
     """A tokenizer whose token id is the UTF-8 byte value (0-255), followed by CSM's four special tokens."""
-    vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
+    vocab = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()

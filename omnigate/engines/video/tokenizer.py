@@ -11,28 +11,18 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from omnigate.engines.byte_tokens import byte_symbols
+
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "</s>", "<unk>"
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 BYTE_OFFSET = 3
 BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
 
 
-def _byte_symbols() -> list[str]:
-    """The printable stand-in of each byte value, as byte-level BPE tokenizers spell them (GPT-2 layout)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in symbols:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in range(256)]
-
-
 def byte_level_tokenizer() -> Any:
     """A transformers fast tokenizer (it saves and loads like any other) over UTF-8 bytes."""
     vocab = {PAD_TOKEN: PAD_ID, EOS_TOKEN: EOS_ID, UNK_TOKEN: UNK_ID}
-    vocab.update({symbol: BYTE_OFFSET + byte for byte, symbol in enumerate(_byte_symbols())})
+    vocab.update({symbol: BYTE_OFFSET + byte for byte, symbol in enumerate(byte_symbols())})
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()

@@ -18,6 +18,7 @@ _BUILTIN: dict[str, str] = {
     "ws-speech": "omnigate.loadtest.targets.ws_speech:WsSpeechTarget",
     "http-speech": "omnigate.loadtest.targets.http_speech:HttpSpeechTarget",
     "webrtc": "omnigate.loadtest.targets.webrtc:WebRtcTarget",
+    "realtime": "omnigate.loadtest.targets.realtime:RealtimeTarget",
 }
 
 _registered: dict[str, type[Target]] = {}

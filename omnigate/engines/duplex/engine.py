@@ -1,0 +1,382 @@
+"""The duplex engine: every live session advances one 80 ms frame per tick, all of them in one batched step.
+
+A clock thread keeps the ticks: at each tick it takes one frame of each session's buffered audio (or a frame of
+silence when the client sent none, so the model keeps listening in real time), steps the model once for all of
+them and hands each session its output frame on the session's event loop. A session whose consumer has no room
+(no credit) sits the tick out, so a stalled client costs no model time. A tick whose step ends after the next tick
+was due is late; a clock that falls more than one tick behind drops the backlog and counts the ticks it missed.
+
+The engine also implements the text-stream :class:`Engine` contract, refusing it: a speech-to-speech model has
+nothing to say about text alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from omnigate.engines.base import (
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    EngineStream,
+    SynthesisParams,
+    VoiceInfo,
+)
+from omnigate.engines.duplex.frames import FrameModel, FrameSettings
+from omnigate.engines.duplex.model import DuplexModel, load_duplex_model
+from omnigate.engines.duplex.options import TORCH_DTYPES, DuplexOptions
+from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
+
+log = logging.getLogger(__name__)
+
+FAMILY = "duplex"
+VOICE_ID = "moshi"
+_SEED_MASK = (1 << 62) - 1
+_NOT_TEXT = "the duplex engine is speech-to-speech: it serves /v1/realtime sessions, not text synthesis"
+
+
+@dataclass
+class ClockStats:
+    """Counters of the tick clock (read without the lock: each is written by the clock thread only)."""
+
+    ticks: int = 0
+    late_ticks: int = 0
+    missed_ticks: int = 0
+    frames: int = 0
+    step_seconds_total: float = 0.0
+    step_seconds_max: float = 0.0
+    last_batch: int = 0
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of a tick: a session's slot and input, or (``session`` None) a free slot stepped as padding."""
+
+    slot: int
+    session: DuplexSession | None
+    pcm: bytes
+    real_input: bool
+
+
+class DuplexEngine(Engine):
+    """Serves up to ``max_sessions`` concurrent full-duplex sessions from one Moshi model."""
+
+    def __init__(self, model: DuplexModel, options: DuplexOptions) -> None:
+        self.options = options
+        self.model = model
+        self.frames = FrameModel(
+            model,
+            FrameSettings(
+                slots=options.max_sessions,
+                context_frames=options.context_frames,
+                text_temperature=options.text_temperature,
+                text_top_k=options.text_top_k,
+                audio_temperature=options.audio_temperature,
+                audio_top_k=options.audio_top_k,
+            ),
+        )
+        self.sample_rate = self.frames.sample_rate
+        self.samples_per_frame = self.frames.samples_per_frame
+        self.frame_s = self.samples_per_frame / self.sample_rate
+        self.stats = ClockStats()
+        self._cond = threading.Condition()
+        self._sessions: dict[int, DuplexSession] = {}
+        self._free_slots = set(range(options.max_sessions))
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._tokenizer: Any = model.tokenizer
+        self._silence = bytes(2 * self.samples_per_frame)
+        # Batch sizes a captured graph exists for: ticks are padded up to the next one with free slots.
+        self._buckets = _buckets(options.max_sessions)
+        self._warm_up()
+        voice = VoiceInfo(id=VOICE_ID, name="The model's own voice", description=model.name)
+        self.info = EngineInfo(
+            family=FAMILY,
+            model=model.name,
+            sample_rate=self.sample_rate,
+            voices=(voice,),
+            default_voice=voice.id,
+            capabilities=EngineCapabilities(duplex=True),
+            max_sessions=options.max_sessions,
+            max_batch=options.max_sessions,
+            workers=1,
+            synthetic=model.random_weights,
+            min_credit_ms=self.frame_s * 1000.0,
+        )
+
+    def _warm_up(self) -> None:
+        """Steps at load, so live ticks pay for no kernel compilation, first allocation or graph capture: one eager
+        step, then (with CUDA graphs) one step of every batch bucket, which captures its graph."""
+        graphs = self.frames.use_graphs
+        silence = np.zeros((self.options.max_sessions, self.samples_per_frame), dtype=np.int16)
+        try:
+            with torch.inference_mode():
+                self.frames.use_graphs = False
+                self.frames.reset(0, seed=0)
+                self.frames.step([0], silence[:1])
+                self.frames.use_graphs = graphs
+                for bucket in self._buckets if graphs else ():
+                    for slot in range(bucket):
+                        self.frames.reset(slot, seed=0)
+                    self.frames.step(list(range(bucket)), silence[:bucket])
+        finally:
+            self.frames.use_graphs = graphs
+            for slot in range(self.options.max_sessions):
+                self.frames.reset(slot, seed=0)
+
+    @classmethod
+    def load(cls, model: str | None, **options: Any) -> DuplexEngine:
+        """Build from ``--model`` (``preset:NAME`` or a checkpoint directory) and string or typed options."""
+        try:
+            parsed = msgspec.convert(options, DuplexOptions, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid duplex option: {exc}") from None
+        loaded = load_duplex_model(model, seed=parsed.seed, device=parsed.device, dtype=TORCH_DTYPES[parsed.dtype])
+        return cls(loaded, parsed)
+
+    # ---- the text-stream contract: refused ----------------------------------------------------------------------
+
+    def open(self, params: SynthesisParams) -> EngineStream:
+        raise EngineError("unsupported", _NOT_TEXT)
+
+    def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
+        raise EngineError("unsupported", _NOT_TEXT)
+
+    def close(self, stream: EngineStream) -> None:
+        """Text streams are never opened, so there is nothing to release."""
+
+    # ---- duplex sessions (event-loop side) ------------------------------------------------------------------
+
+    @property
+    def active_sessions(self) -> int:
+        with self._cond:
+            return len(self._sessions)
+
+    def open_session(
+        self, sink: FrameSink, *, max_input_bytes: int, initial_credit_frames: int, seed: int | None = None
+    ) -> DuplexSession:
+        """Admit a session; ``sink`` receives its frames on the calling event loop. Raises DuplexFull/DuplexClosed."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._closing:
+                raise DuplexClosed()
+            if not self._free_slots:
+                raise DuplexFull(self.options.max_sessions, self.options.retry_after_s)
+            session_id = next(self._ids)
+            slot = min(self._free_slots)  # low slots first: a full batch then reads its caches as one range
+            self._free_slots.discard(slot)
+            if seed is None:
+                seed = (self.options.seed * 1_000_003 + session_id) & _SEED_MASK
+            session = DuplexSession(
+                id=session_id,
+                slot=slot,
+                seed=seed,
+                sink=sink,
+                loop=loop,
+                max_input_bytes=max_input_bytes,
+                credit_frames=initial_credit_frames,
+            )
+            self._sessions[session_id] = session
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="omnigate-duplex-clock", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return session
+
+    def push_audio(self, session: DuplexSession, pcm: bytes) -> bool:
+        """Queue user audio (s16le mono at the engine rate); False, and nothing queued, when over the input cap."""
+        with self._cond:
+            if session.closed:
+                return True
+            if len(session.pending) + len(pcm) > session.max_input_bytes:
+                return False
+            session.pending.extend(pcm)
+            return True
+
+    def pending_input_bytes(self, session: DuplexSession) -> int:
+        with self._cond:
+            return len(session.pending)
+
+    def clear_input(self, session: DuplexSession) -> int:
+        """Drop the user audio not yet consumed; returns the bytes dropped."""
+        with self._cond:
+            dropped = len(session.pending)
+            session.pending.clear()
+            return dropped
+
+    def grant(self, session: DuplexSession, frames: int) -> None:
+        """The consumer has room for ``frames`` more output frames."""
+        with self._cond:
+            session.credit_frames += frames
+            self._cond.notify_all()
+
+    def close_session(self, session: DuplexSession) -> None:
+        """End the session now and free its slot. Idempotent; nothing reaches its sink afterwards."""
+        with self._cond:
+            if session.closed:
+                return
+            session.closed = True
+            session.pending.clear()
+            self._sessions.pop(session.id, None)
+            # The slot's state is reset on the clock thread before its next session's first step, so it is safe
+            # to hand out now even while a step that includes the old session is still running.
+            self._free_slots.add(session.slot)
+            self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closing = True
+            for session in list(self._sessions.values()):
+                session.closed = True
+            self._sessions.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(10.0)
+
+    # ---- the clock (its own thread) -------------------------------------------------------------------------
+
+    def _runnable_locked(self) -> bool:
+        return any(s.credit_frames > 0 for s in self._sessions.values())
+
+    def _run(self) -> None:
+        deadline: float | None = None
+        while True:
+            with self._cond:
+                while not self._closing and not self._runnable_locked():
+                    self._cond.wait()
+                    deadline = None  # idle: the clock starts afresh when work returns
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now
+                while not self._closing and now < deadline:
+                    self._cond.wait(deadline - now)
+                    now = time.monotonic()
+                if self._closing:
+                    return
+                batch = self._collect_locked()
+            if batch:
+                self._tick(batch)
+            end = time.monotonic()
+            due = deadline + self.frame_s
+            if end > due:
+                self.stats.late_ticks += 1
+            deadline = due
+            behind = int((end - deadline) / self.frame_s)
+            if behind >= 1:
+                # More than a tick behind: catching up would only burst stale frames; drop the backlog.
+                self.stats.missed_ticks += behind
+                deadline += behind * self.frame_s
+
+    def _collect_locked(self) -> list[_Row]:
+        frame_bytes = 2 * self.samples_per_frame
+        batch: list[_Row] = []
+        for session in self._sessions.values():
+            if session.credit_frames <= 0:
+                continue
+            session.credit_frames -= 1
+            if len(session.pending) >= frame_bytes:
+                pcm = bytes(session.pending[:frame_bytes])
+                del session.pending[:frame_bytes]
+                batch.append(_Row(session.slot, session, pcm, True))
+            else:
+                batch.append(_Row(session.slot, session, self._silence, False))
+        if batch and self.frames.use_graphs:
+            # Captured graphs serve slots 0..B-1 for bucket sizes B: step free slots as padding rows up to the next
+            # bucket (their state is reset before a session takes them), unless a live session sits out this tick
+            # in that range; then the tick runs eagerly on exactly its slots.
+            stepped = {row.slot for row in batch}
+            size = next(b for b in self._buckets if b > max(stepped))
+            holes = set(range(size)) - stepped
+            if holes <= self._free_slots:
+                batch.extend(_Row(slot, None, self._silence, False) for slot in holes)
+        batch.sort(key=lambda row: row.slot)
+        return batch
+
+    def _tick(self, batch: list[_Row]) -> None:
+        t0 = time.monotonic()
+        for row in batch:
+            if row.session is not None and row.session.fresh:
+                row.session.fresh = False
+                self.frames.reset(row.slot, row.session.seed)
+        slots = [row.slot for row in batch]
+        pcm = np.stack([np.frombuffer(row.pcm, dtype="<i2") for row in batch])
+        try:
+            with torch.inference_mode():
+                out = self.frames.step(slots, pcm)
+        except Exception:
+            log.exception("duplex step failed; closing the sessions in it")
+            for row in batch:
+                if row.session is not None:
+                    self._fail(row.session)
+            return
+        elapsed = time.monotonic() - t0
+        stats = self.stats
+        stats.ticks += 1
+        stats.frames += len(batch)
+        stats.last_batch = len(batch)
+        stats.step_seconds_total += elapsed
+        stats.step_seconds_max = max(stats.step_seconds_max, elapsed)
+        frame_ms = self.frame_s * 1000.0
+        listen = self.options.listen_token_id
+        for index, row in enumerate(batch):
+            session = row.session
+            if session is None:
+                continue
+            token = out.text[index]
+            frame = DuplexFrame(
+                tick=session.ticks,
+                pcm=out.pcm[index].astype("<i2").tobytes(),
+                sample_rate=self.sample_rate,
+                text_token=token,
+                text=self._piece(token),
+                listening=token == listen,
+                input_ms=frame_ms if row.real_input else 0.0,
+            )
+            session.ticks += 1
+            with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to receive
+                session.loop.call_soon_threadsafe(self._deliver, session, frame)
+
+    def _fail(self, session: DuplexSession) -> None:
+        with self._cond:
+            session.closed = True
+            self._sessions.pop(session.id, None)
+            self._free_slots.add(session.slot)
+
+    def _piece(self, token: int) -> str:
+        if self._tokenizer is None or token == self.options.listen_token_id:
+            return ""
+        if token in self._tokenizer.all_special_ids:
+            return ""
+        piece = self._tokenizer.convert_ids_to_tokens(token)
+        return piece.replace("\u2581", " ") if isinstance(piece, str) else ""
+
+    @staticmethod
+    def _deliver(session: DuplexSession, frame: DuplexFrame) -> None:
+        # Runs on the session's loop, where close_session runs too: nothing reaches a closed session's sink.
+        if not session.closed:
+            session.sink(frame)
+
+
+def _buckets(max_sessions: int) -> tuple[int, ...]:
+    """Powers of two below ``max_sessions``, and ``max_sessions``: few captures, at most 2x padding."""
+    sizes = {max_sessions}
+    size = 1
+    while size < max_sessions:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))

@@ -1,0 +1,161 @@
+"""One lockstep frame of a Moshi model for a batch of sessions: 80 ms of user audio in, 80 ms of model audio out.
+
+Per step and session: the user's frame is encoded to Mimi codes; the temporal transformer reads the last text token,
+the model's last audio codes and the user's codes; a text token is drawn, then the depth transformer draws the
+model's audio codes. Moshi delays the acoustic codebooks (1..K-1) by one frame behind the semantic one (0), for the
+user's stream and the model's alike, so a step's codes complete the *previous* output frame, which the streaming
+Mimi decoder turns into PCM: a session's first step yields silence, and every later step one frame of audio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
+from omnigate.engines.duplex.backbone import SlotBackbone
+from omnigate.engines.duplex.depth import DepthSampler
+from omnigate.engines.duplex.graphs import CapturedTick, prefix_batch
+from omnigate.engines.duplex.mimi_encoder import MimiStreamEncoder
+from omnigate.engines.duplex.model import DuplexModel
+from omnigate.engines.duplex.ring_cache import RingStep
+from omnigate.engines.duplex.sampling import SeededSampler
+
+_AUDIO_SEED_SALT = 0x5EED_A0D10
+
+
+@dataclass(frozen=True)
+class FrameSettings:
+    """Sizes and sampling of a :class:`FrameModel` (plain values: benchmarks build one without the engine)."""
+
+    slots: int
+    context_frames: int | None = None  # attention window; None: the model's own
+    text_temperature: float = 0.7
+    text_top_k: int = 25
+    audio_temperature: float = 0.8
+    audio_top_k: int = 250
+    cuda_graphs: bool = True  # on CUDA, replay a captured graph per batch size for batches of slots 0..B-1
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for its rows: text ids ``[B]`` and s16 PCM ``[B, samples_per_frame]``."""
+
+    text: list[int]
+    pcm: np.ndarray
+
+
+class FrameModel:
+    """A Moshi model with per-slot state (caches, codec state, last tokens) for ``slots`` sessions."""
+
+    def __init__(self, model: DuplexModel, settings: FrameSettings) -> None:
+        moshi = model.moshi
+        config = moshi.config
+        self.slots = settings.slots
+        self.num_codebooks = int(config.num_codebooks)
+        window = settings.context_frames or int(config.sliding_window)
+        self.backbone = SlotBackbone(moshi, slots=self.slots, window=window)
+        self.depth = DepthSampler(moshi.depth_decoder, self.num_codebooks)
+        self.encoder = MimiStreamEncoder(moshi.audio_encoder, self.slots, self.num_codebooks)
+        self.decoder = MimiStreamDecoder(moshi.audio_encoder, self.slots)
+        if self.decoder.samples_per_frame != self.encoder.samples_per_frame:
+            raise ValueError("the Mimi encoder and decoder disagree on the frame length")
+        self.sample_rate = self.encoder.sample_rate
+        self.samples_per_frame = self.encoder.samples_per_frame
+        self.device = self.backbone.device
+        self.text_sampler = SeededSampler(
+            temperature=settings.text_temperature, top_k=settings.text_top_k, valid_ids=self.backbone.vocab_size
+        )
+        self.audio_sampler = SeededSampler(
+            temperature=settings.audio_temperature,
+            top_k=settings.audio_top_k,
+            valid_ids=self.backbone.audio_vocab_size,
+        )
+        k = self.num_codebooks
+        start_audio = self.backbone.audio_vocab_size  # the "no token yet" id of every audio stream
+        self._start_text = self.backbone.vocab_size
+        self._start_audio = start_audio
+        self.last_text = torch.full((self.slots,), self._start_text, dtype=torch.long, device=self.device)
+        self.last_model = torch.full((self.slots, k), start_audio, dtype=torch.long, device=self.device)
+        self.last_user = torch.full((self.slots, k), start_audio, dtype=torch.long, device=self.device)
+        self.pending_semantic = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self.steps = [0] * self.slots
+        self.seeds = [0] * self.slots
+        self.use_graphs = settings.cuda_graphs and self.device.type == "cuda"
+        self._graphs: dict[int, CapturedTick] = {}
+
+    def reset(self, slot: int, seed: int) -> None:
+        """Start a new session in ``slot``: nothing of the previous session's state remains."""
+        self.backbone.cache.reset(slot)
+        self.encoder.reset(slot)
+        self.decoder.reset(slot)
+        self.last_text[slot] = self._start_text
+        self.last_model[slot] = self._start_audio
+        self.last_user[slot] = self._start_audio
+        self.pending_semantic[slot] = 0
+        self.steps[slot] = 0
+        self.seeds[slot] = seed
+
+    def _think(
+        self, x: torch.Tensor, plan: RingStep, steps: torch.Tensor, seeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The temporal transformer, then a text token and the audio codes of every row (device work only)."""
+        with record_function("duplex/temporal"):
+            hidden = self.backbone.layers_forward(x, plan)
+        with record_function("duplex/text"):
+            text = self.text_sampler(self.backbone.text_logits(hidden), seeds, steps)
+        with record_function("duplex/depth"):
+            audio_seeds = seeds ^ _AUDIO_SEED_SALT
+            base = steps * self.num_codebooks
+            codes = self.depth.sample(hidden, text, lambda logits, k: self.audio_sampler(logits, audio_seeds, base + k))
+        return text, codes
+
+    @torch.no_grad()
+    def step(self, slots: Sequence[int], pcm: np.ndarray) -> StepOutput:
+        """Advance ``slots`` by one frame; ``pcm`` is s16 ``[B, samples_per_frame]`` user audio.
+
+        Each stage is a named profiler range (``duplex/...``), so a profile splits a tick's time by stage.
+        """
+        index = torch.tensor(list(slots), device=self.device)
+        with record_function("duplex/encode"):
+            audio_in = torch.from_numpy(pcm.astype(np.float32) / 32768.0).to(self.device)
+            user = self.encoder.encode(audio_in, slots)
+        with record_function("duplex/think"):
+            # The user's semantic codebook is current; its acoustic codebooks are the previous frame's.
+            user_in = torch.cat((user[:, :1], self.last_user.index_select(0, index)[:, 1:]), dim=1)
+            last_text = self.last_text.index_select(0, index)
+            x = self.backbone.embed(last_text, self.last_model.index_select(0, index), user_in)
+            plan = self.backbone.cache.step(slots)
+            steps = torch.tensor([self.steps[s] for s in slots], device=self.device)
+            seeds = torch.tensor([self.seeds[s] for s in slots], device=self.device)
+            if self.use_graphs and prefix_batch(plan.slots):
+                captured = self._graphs.get(len(slots))
+                if captured is None:
+                    captured = self._graphs[len(slots)] = CapturedTick(self._think, x, plan, steps, seeds)
+                text, codes = captured.run(x, plan, steps, seeds)
+            else:
+                text, codes = self._think(x, plan, steps, seeds)
+            self.backbone.cache.commit(plan)
+        out = np.zeros((len(slots), self.samples_per_frame), dtype=np.int16)
+        ready = [row for row, slot in enumerate(slots) if self.steps[slot] > 0]
+        if ready:
+            with record_function("duplex/decode"):
+                rows = torch.tensor(ready, device=self.device)
+                frame = torch.cat(
+                    (self.pending_semantic.index_select(0, index[rows])[:, None], codes.index_select(0, rows)[:, 1:]),
+                    dim=1,
+                )
+                audio = self.decoder.decode(frame[:, :, None], [slots[row] for row in ready]).clamp(-1.0, 1.0)
+            with record_function("duplex/to_host"):
+                out[ready] = (audio.float() * 32767.0).round().to(torch.int16).cpu().numpy()
+        self.last_text.index_copy_(0, index, text)
+        self.last_model.index_copy_(0, index, codes)
+        self.last_user.index_copy_(0, index, user)
+        self.pending_semantic.index_copy_(0, index, codes[:, 0])
+        for slot in slots:
+            self.steps[slot] += 1
+        return StepOutput(text=text.tolist(), pcm=out)

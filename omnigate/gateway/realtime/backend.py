@@ -1,0 +1,96 @@
+"""What the realtime protocol core needs from the engine side of a session.
+
+Two implementations: :mod:`tts_backend` (a text-to-speech engine speaks assistant text, turn by turn, through the
+speech session core) and :mod:`duplex_backend` (a natively duplex model listens and speaks in lockstep ticks).
+The core calls a backend on the event loop; a backend reports back through the :class:`ResponseSink` calls.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+from omnigate.gateway.realtime.capabilities import RealtimeCapabilities
+from omnigate.gateway.realtime.config import RealtimeConfig, ResponseSettings
+from omnigate.sessions.realtime_conversation import Response, ResponseStatus
+
+
+class SessionRefused(Exception):
+    """The engine cannot take the session now; ``retry_after_s`` tells the client when to try again."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class ResponseSink(Protocol):
+    """The core's side: where a backend delivers what its engine produced."""
+
+    def open_model_response(self) -> Response | None:
+        """A natively duplex model began to speak: open a response for it (None: no output wanted)."""
+
+    def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
+        """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only)."""
+
+    def response_text(self, response: Response, text: str, tokens: int) -> None:
+        """Transcript (or text) of ``response``; ``tokens`` counts into its usage."""
+
+    def response_input(self, response: Response, audio_ms: float) -> None:
+        """User audio the engine consumed while producing ``response``."""
+
+    def finish_response(
+        self,
+        response: Response,
+        status: ResponseStatus,
+        reason: str | None = None,
+        error: tuple[str, str] | None = None,
+    ) -> None:
+        """End ``response``; ignored when it already ended."""
+
+    def report_error(self, code: str, message: str) -> None:
+        """A non-fatal engine-side error not tied to a response."""
+
+    def fail(self, code: str, message: str) -> None:
+        """End the session with a fatal typed error."""
+
+    async def wait_for_room(self) -> None:
+        """Until the outbox can take more audio."""
+
+
+class Backend(abc.ABC):
+    capabilities: RealtimeCapabilities
+    sample_rate: int
+
+    @abc.abstractmethod
+    def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
+        """Bind the engine for this session. Raises SessionRefused or ConfigRefused."""
+
+    @abc.abstractmethod
+    def reconfigure(self, config: RealtimeConfig) -> None:
+        """Apply a new session configuration (voice, speed). Raises ConfigRefused."""
+
+    @abc.abstractmethod
+    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
+        """Speak ``text`` as ``response`` (text-to-speech engines only)."""
+
+    @abc.abstractmethod
+    def cancel(self, response: Response) -> None:
+        """Stop producing ``response`` now (the core purges what is queued and ends it)."""
+
+    @abc.abstractmethod
+    def push_audio(self, pcm: bytes) -> bool:
+        """User audio (24 kHz s16le); False when refused because the input cap is reached."""
+
+    @abc.abstractmethod
+    def clear_input(self) -> None:
+        """Drop user audio not yet consumed."""
+
+    @abc.abstractmethod
+    def released_audio(self, ms: float) -> None:
+        """``ms`` of queued output audio left the outbox (sent or purged): room for more."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free everything the session holds. Idempotent."""

@@ -1,0 +1,218 @@
+"""Client events of the OpenAI Realtime protocol (GA names), as the gateway parses them.
+
+Shapes follow the ``openai`` package's models (``openai/types/realtime/``). Fields a client may send but the gateway
+does not act on are still declared when they could ask for something (tools, transcription, noise reduction), so a
+request the engine cannot honour is refused instead of ignored; other unknown fields are ignored, as OpenAI's server
+ignores them. ``UNSET`` marks a field the client left out, which ``session.update`` leaves unchanged (``null``
+clears, per the protocol).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class AudioFormat(msgspec.Struct, frozen=True):
+    """``{"type": "audio/pcm", "rate": 24000}``, ``{"type": "audio/pcmu"}`` or ``{"type": "audio/pcma"}``."""
+
+    type: str = "audio/pcm"
+    rate: int | None = None
+
+
+class ServerVad(msgspec.Struct, frozen=True, tag="server_vad", tag_field="type"):
+    threshold: float | UnsetType = UNSET
+    prefix_padding_ms: NonNegative | UnsetType = UNSET
+    silence_duration_ms: NonNegative | UnsetType = UNSET
+    create_response: bool | UnsetType = UNSET
+    interrupt_response: bool | UnsetType = UNSET
+    idle_timeout_ms: int | UnsetType | None = UNSET
+
+
+class SemanticVad(msgspec.Struct, frozen=True, tag="semantic_vad", tag_field="type"):
+    eagerness: str | UnsetType = UNSET
+    create_response: bool | UnsetType = UNSET
+    interrupt_response: bool | UnsetType = UNSET
+
+
+class AudioInputPatch(msgspec.Struct, frozen=True):
+    format: AudioFormat | UnsetType = UNSET
+    turn_detection: ServerVad | SemanticVad | UnsetType | None = UNSET
+    transcription: dict[str, Any] | UnsetType | None = UNSET
+    noise_reduction: dict[str, Any] | UnsetType | None = UNSET
+
+
+class AudioOutputPatch(msgspec.Struct, frozen=True):
+    format: AudioFormat | UnsetType = UNSET
+    voice: str | dict[str, Any] | UnsetType = UNSET
+    speed: float | UnsetType = UNSET
+
+
+class AudioPatch(msgspec.Struct, frozen=True):
+    input: AudioInputPatch | UnsetType = UNSET
+    output: AudioOutputPatch | UnsetType = UNSET
+
+
+class SessionPatch(msgspec.Struct, frozen=True):
+    """The ``session`` of ``session.update``: only the fields present change."""
+
+    type: str | UnsetType = UNSET
+    model: str | UnsetType = UNSET
+    instructions: str | UnsetType | None = UNSET
+    output_modalities: list[str] | UnsetType = UNSET
+    audio: AudioPatch | UnsetType = UNSET
+    max_output_tokens: int | str | UnsetType | None = UNSET
+    tools: list[Any] | UnsetType | None = UNSET
+    tool_choice: str | dict[str, Any] | UnsetType | None = UNSET
+    include: list[str] | UnsetType | None = UNSET
+    prompt: dict[str, Any] | UnsetType | None = UNSET
+    reasoning: dict[str, Any] | UnsetType | None = UNSET
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+    audio: str | None = None
+    transcript: str | None = None
+
+
+class ItemSpec(msgspec.Struct, frozen=True):
+    """An item a client creates (``conversation.item.create``) or passes as ``response.input``."""
+
+    type: str = "message"
+    id: str | None = None
+    role: str | None = None
+    content: list[ContentPart] = []
+    status: str | None = None
+
+
+class ResponseAudioOutput(msgspec.Struct, frozen=True):
+    format: AudioFormat | None = None
+    voice: str | dict[str, Any] | None = None
+
+
+class ResponseAudio(msgspec.Struct, frozen=True):
+    output: ResponseAudioOutput | None = None
+
+
+class ResponseParams(msgspec.Struct, frozen=True):
+    conversation: str | None = None
+    input: list[ItemSpec] | None = None
+    instructions: str | None = None
+    metadata: dict[str, str] | None = None
+    output_modalities: list[str] | None = None
+    audio: ResponseAudio | None = None
+    max_output_tokens: int | str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class _Client(msgspec.Struct, frozen=True, tag_field="type"):
+    event_id: str | None = None
+
+
+class SessionUpdate(_Client, frozen=True, tag="session.update"):
+    session: SessionPatch = SessionPatch()
+
+
+class InputAudioBufferAppend(_Client, frozen=True, tag="input_audio_buffer.append"):
+    audio: str = ""
+
+
+class InputAudioBufferCommit(_Client, frozen=True, tag="input_audio_buffer.commit"):
+    pass
+
+
+class InputAudioBufferClear(_Client, frozen=True, tag="input_audio_buffer.clear"):
+    pass
+
+
+class ConversationItemCreate(_Client, frozen=True, tag="conversation.item.create"):
+    item: ItemSpec = ItemSpec()
+    previous_item_id: str | None = None
+
+
+class ConversationItemTruncate(_Client, frozen=True, tag="conversation.item.truncate"):
+    item_id: str = ""
+    content_index: NonNegative = 0
+    audio_end_ms: NonNegative = 0
+
+
+class ConversationItemDelete(_Client, frozen=True, tag="conversation.item.delete"):
+    item_id: str = ""
+
+
+class ConversationItemRetrieve(_Client, frozen=True, tag="conversation.item.retrieve"):
+    item_id: str = ""
+
+
+class ResponseCreate(_Client, frozen=True, tag="response.create"):
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(_Client, frozen=True, tag="response.cancel"):
+    response_id: str | None = None
+
+
+class OutputAudioBufferClear(_Client, frozen=True, tag="output_audio_buffer.clear"):
+    pass
+
+
+ClientEvent = (
+    SessionUpdate
+    | InputAudioBufferAppend
+    | InputAudioBufferCommit
+    | InputAudioBufferClear
+    | ConversationItemCreate
+    | ConversationItemTruncate
+    | ConversationItemDelete
+    | ConversationItemRetrieve
+    | ResponseCreate
+    | ResponseCancel
+    | OutputAudioBufferClear
+)
+
+CLIENT_EVENT_TYPES: tuple[str, ...] = (
+    "session.update",
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "conversation.item.create",
+    "conversation.item.truncate",
+    "conversation.item.delete",
+    "conversation.item.retrieve",
+    "response.create",
+    "response.cancel",
+    "output_audio_buffer.clear",
+)
+
+_DECODER = msgspec.json.Decoder(ClientEvent)
+
+
+class _Envelope(msgspec.Struct):
+    type: Any = None
+    event_id: Any = None
+
+
+def decode_client_event(raw: bytes | str) -> ClientEvent:
+    """Parse one client event; raises ``msgspec.DecodeError`` or ``msgspec.ValidationError``."""
+    event: ClientEvent = _DECODER.decode(raw)
+    return event
+
+
+def peek(raw: bytes | str) -> tuple[str | None, str | None]:
+    """The ``type`` and ``event_id`` of a message that failed to parse, to word and address its error."""
+    try:
+        envelope = msgspec.json.decode(raw, type=_Envelope)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+    kind = envelope.type if isinstance(envelope.type, str) else None
+    event_id = envelope.event_id if isinstance(envelope.event_id, str) else None
+    return kind, event_id
+
+
+__all__ = ["UNSET", "ClientEvent", "UnsetType", "decode_client_event", "peek"]

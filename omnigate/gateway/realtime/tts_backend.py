@@ -1,0 +1,177 @@
+"""Realtime sessions on a text-to-speech engine: each response speaks assistant text through the speech session core.
+
+A response's text becomes one utterance of a :class:`SessionDriver` (append, then flush); its sentences stream as
+they are synthesized, and ``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is
+aborted and its queued audio purged). A pump task moves the driver's events into the realtime outbox only while
+that outbox has room, so a client that stops reading stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from omnigate.engines.pool_api import EnginePoolAPI
+from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
+from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.gateway.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
+from omnigate.sessions.driver import SessionDriver
+from omnigate.sessions.messages import (
+    AppendText,
+    Cancel,
+    Configure,
+    ErrorEvent,
+    Flush,
+    MediaChunk,
+    SegmentStarted,
+    SessionClosed,
+    SessionConfig,
+    UtteranceDone,
+)
+from omnigate.sessions.realtime_conversation import Response, ResponseStatus
+from omnigate.sessions.segmenter import SegmenterConfig
+from omnigate.sessions.speech import ConfigError, SessionLimits, synthesis_params
+
+log = logging.getLogger(__name__)
+
+MS_PER_TOKEN = 80
+
+_STATUS: dict[str, tuple[ResponseStatus, str | None]] = {
+    "completed": ("completed", None),
+    "silence": ("completed", None),
+    "cancelled": ("cancelled", "client_cancelled"),
+    "max_duration": ("incomplete", "max_output_tokens"),
+    "error": ("failed", None),
+}
+
+
+class TtsBackend(Backend):
+    """Speaks the responses of one realtime session with a TTS engine pool."""
+
+    def __init__(
+        self, pool: EnginePoolAPI[Any], limits: SessionLimits, *, max_audio_ms: int, segmenter: SegmenterConfig
+    ) -> None:
+        self.pool = pool
+        self.capabilities: RealtimeCapabilities = capabilities_for(pool.info)
+        self.sample_rate = pool.info.sample_rate
+        self._limits = limits
+        self._max_audio_ms = max_audio_ms
+        self._segmenter = segmenter
+        self._driver: SessionDriver | None = None
+        self._sink: ResponseSink | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._config: SessionConfig | None = None
+        self._current: tuple[Response, int] | None = None
+        self._next_utterance = 0
+        self._error: tuple[str, str] | None = None
+
+    def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
+        self._sink = sink
+        self._driver = SessionDriver(self.pool, self._limits)
+        try:
+            self._configure(self._session_config(config, self._max_audio_ms))
+        except ConfigRefused as exc:
+            self._driver.release()
+            raise SessionRefused(exc.code, exc.message) from None
+        self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="realtime-tts-pump")
+
+    def reconfigure(self, config: RealtimeConfig) -> None:
+        self._configure(self._session_config(config, self._max_audio_ms))
+
+    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
+        driver = self._require_driver()
+        assert self._config is not None
+        max_audio_ms = self._max_audio_ms
+        if settings.max_output_tokens is not None:
+            max_audio_ms = min(max_audio_ms, settings.max_output_tokens * MS_PER_TOKEN)
+        if max_audio_ms != self._config.max_audio_ms:
+            self._configure(msgspec.structs.replace(self._config, max_audio_ms=max_audio_ms))
+        self._current = (response, self._next_utterance)
+        self._next_utterance += 1
+        self._error = None
+        driver.submit(AppendText(text))
+        driver.submit(Flush())
+
+    def cancel(self, response: Response) -> None:
+        if self._current is not None and self._current[0] is response and self._driver is not None:
+            self._current = None
+            self._driver.submit(Cancel())
+
+    def push_audio(self, pcm: bytes) -> bool:
+        return True  # a TTS engine reads no audio: the core only counts it against the input cap
+
+    def clear_input(self) -> None:
+        """Nothing is held here: the core's count is all there is."""
+
+    def released_audio(self, ms: float) -> None:
+        """The pump waits for outbox room itself; the driver grants engine credit as its events are taken."""
+
+    def release(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        if self._driver is not None:
+            self._driver.release()
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _require_driver(self) -> SessionDriver:
+        if self._driver is None:
+            raise RuntimeError("the backend was not started")
+        return self._driver
+
+    def _session_config(self, config: RealtimeConfig, max_audio_ms: int) -> SessionConfig:
+        return SessionConfig(
+            voice=config.voice,
+            speed=config.speed,
+            instructions=config.instructions or None,
+            max_audio_ms=max_audio_ms,
+            segmenter=self._segmenter,
+        )
+
+    def _configure(self, session_config: SessionConfig) -> None:
+        try:
+            synthesis_params(self.pool.info, session_config)
+        except ConfigError as exc:
+            raise ConfigRefused(exc.code, exc.message, f"session.audio.output.{exc.param or 'voice'}") from None
+        self._require_driver().submit(Configure(session_config))
+        self._config = session_config
+
+    async def _run_pump(self) -> None:
+        driver = self._require_driver()
+        sink = self._sink
+        assert sink is not None
+        while True:
+            await sink.wait_for_room()
+            event = await driver.next_event()
+            if isinstance(event, SessionClosed):
+                if event.reason != "released":
+                    sink.fail(event.code or event.reason, f"the speech session ended: {event.reason}")
+                return
+            current = self._current
+            if isinstance(event, ErrorEvent):
+                if event.fatal:
+                    sink.fail(event.code, event.message)
+                    return
+                if current is not None:
+                    self._error = (event.code, event.message)
+                else:
+                    sink.report_error(event.code, event.message)
+                continue
+            if current is None or event.utterance != current[1]:
+                continue  # an utterance of a response already ended (cancelled): nothing of it goes out
+            response = current[0]
+            if isinstance(event, MediaChunk):
+                sink.response_audio(response, event.pcm, event.sample_rate)
+            elif isinstance(event, SegmentStarted):
+                sink.response_text(response, event.text, len(event.text.split()))
+            elif isinstance(event, UtteranceDone):
+                self._current = None
+                status, reason = _STATUS.get(event.status, ("failed", None))
+                error = None
+                if status == "failed":
+                    error = self._error or ("generation_failed", event.error or "speech synthesis failed")
+                sink.finish_response(response, status, reason, error)

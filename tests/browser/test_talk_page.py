@@ -1,0 +1,96 @@
+"""The talk page at ``/`` in Debian's Chromium (headless, through playwright-core), inside a network namespace.
+
+The test makes its own namespace (``unshare -n``) with a veth pair, 10.200.0.1 and 10.200.0.2, because Chromium
+gathers no ICE candidates on loopback alone; nothing outside the namespace is reachable from it. There the gateway
+serves the piper voice, and the page speaks a sentence over WebRTC and, with WebRTC removed, over the WebSocket.
+What the page played is recorded through WebAudio and must be speech.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.audio_checks import speech_fraction
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE_SETUP = (
+    "ip link set lo up"
+    " && ip link add veth0 type veth peer name veth1"
+    " && ip addr add 10.200.0.1/24 dev veth0 && ip addr add 10.200.0.2/24 dev veth1"
+    " && ip link set veth0 up && ip link set veth1 up"
+)
+RUN_TIMEOUT_S = 240
+MODES = ("webrtc", "no-webrtc")
+
+
+def _unshare_refusal() -> str | None:
+    """Why a network namespace cannot be made here, or None when it can."""
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True, check=False)
+    return None if probe.returncode == 0 else f"unshare -n is not permitted: {probe.stderr.strip()}"
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    refusal = _unshare_refusal()
+    if refusal is not None:
+        pytest.skip(refusal)
+    out = tmp_path_factory.mktemp("browser")
+    script = f'{NAMESPACE_SETUP} && exec "$0" -m tests.browser.page_session "$1"'
+    run = subprocess.run(
+        ["unshare", "-n", "sh", "-c", script, sys.executable, str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    output = f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"the browser run failed ({run.returncode}):\n{output}"
+    return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in MODES}
+
+
+def played_audio(run: dict[str, Any]) -> tuple[np.ndarray, int]:
+    """What the page played (int16 mono at the AudioContext's rate), trimmed to where it was audible."""
+    pcm = np.frombuffer(base64.b64decode(run["pcm"]), dtype="<i2")
+    audible = np.flatnonzero(np.abs(pcm) > 328)  # -40 dBFS
+    assert audible.size, f"the page played nothing audible; console: {run['console']}"
+    return pcm[audible[0] : audible[-1] + 1], int(run["sampleRate"])
+
+
+def assert_speech(run: dict[str, Any]) -> None:
+    pcm, rate = played_audio(run)
+    assert pcm.size / rate > 2.5, "the sentence is about four seconds of speech"
+    assert speech_fraction(pcm.tobytes(), rate) > 0.5
+    # Speech-like energy: mostly loud, but the 20 ms envelope moves with the syllables (a tone would stay flat).
+    windows = pcm[: pcm.size // (rate // 50) * (rate // 50)].astype(np.float64).reshape(-1, rate // 50) / 32768.0
+    level_db = 20 * np.log10(np.sqrt(np.mean(windows**2, axis=1)) + 1e-9)
+    assert np.mean(level_db > -40) > 0.6
+    assert np.std(level_db) > 4.0
+    stats = run["stats"]
+    assert stats["errors"] == [] and stats["utterancesDone"] == 1
+    assert stats["ttfaMs"] is not None and 0 < stats["ttfaMs"] < 5000
+
+
+def test_the_page_speaks_over_webrtc(page_runs: dict[str, dict[str, Any]]) -> None:
+    run = page_runs["webrtc"]
+    assert run["transport"] == "over WebRTC", run["console"]
+    assert_speech(run)
+
+
+def test_without_webrtc_the_page_falls_back_to_the_websocket(page_runs: dict[str, dict[str, Any]]) -> None:
+    run = page_runs["no-webrtc"]
+    assert run["transport"] == "over WebSocket", run["console"]
+    assert_speech(run)

@@ -1,0 +1,164 @@
+"""The duplex engine's model pieces equal transformers' own computations: streaming Mimi encoder, ring-cached
+temporal transformer, depth transformer; and a lockstep step is the same for a session alone or in any batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import MimiConfig, MimiModel
+
+from omnigate.engines.duplex.backbone import SlotBackbone
+from omnigate.engines.duplex.depth import DepthSampler
+from omnigate.engines.duplex.frames import FrameModel, FrameSettings
+from omnigate.engines.duplex.mimi_encoder import MimiStreamEncoder
+from omnigate.engines.duplex.model import DuplexModel, ModelSpecError, build_preset, load_duplex_model
+from omnigate.engines.talker.model import randomize_codebooks
+
+FRAME = 1920
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny64() -> DuplexModel:
+    model = build_preset("tiny", seed=0, device="cpu", dtype=torch.float64)
+    model.moshi.double()
+    return model
+
+
+def test_streaming_encoder_equals_a_full_encode_for_staggered_sessions() -> None:
+    config = MimiConfig(
+        hidden_size=64,
+        num_filters=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        codebook_dim=32,
+        vector_quantization_hidden_dimension=32,
+        upsample_groups=64,
+        num_quantizers=8,
+        sliding_window=5,  # shorter than the stream: the window itself is exercised
+    )
+    torch.manual_seed(0)
+    mimi: Any = MimiModel(config)
+    mimi.eval().double()
+    with torch.no_grad():
+        randomize_codebooks(mimi, torch.Generator().manual_seed(0))
+    frames = 9
+    audio = torch.randn(2, frames * FRAME, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.3
+    with torch.no_grad():
+        full = mimi.encode(audio[:, None, :], num_quantizers=8).audio_codes  # [2, 8, frames]
+    encoder = MimiStreamEncoder(mimi, 3, 8)
+    encoder.reset(2)
+    encoder.encode(audio[:1, :FRAME] * 0.5, [2])  # a previous session in slot 2, which reset must erase
+    encoder.reset(2)
+    got: list[list[torch.Tensor]] = [[], []]
+    for t in range(frames + 3):  # stream 1 starts 3 frames later, in another slot, sharing the calls
+        rows, slots, owners = [], [], []
+        if t < frames:
+            rows.append(audio[0, t * FRAME : (t + 1) * FRAME])
+            slots.append(2)
+            owners.append(0)
+        if t >= 3:
+            rows.append(audio[1, (t - 3) * FRAME : (t - 2) * FRAME])
+            slots.append(0)
+            owners.append(1)
+        codes = encoder.encode(torch.stack(rows), slots)
+        for row, owner in enumerate(owners):
+            got[owner].append(codes[row])
+    for owner in (0, 1):
+        assert torch.equal(torch.stack(got[owner], dim=-1), full[owner])
+
+
+def test_ring_backbone_equals_a_sliding_window_reference(tiny64: DuplexModel) -> None:
+    moshi = tiny64.moshi
+    k, steps, window = 8, 9, 4
+    g = torch.Generator().manual_seed(2)
+    text = torch.randint(0, 65, (2, steps), generator=g)
+    codes = torch.randint(0, 257, (2, 2 * k, steps), generator=g)
+    with torch.no_grad():
+        embeds = moshi.decoder.model.embed_tokens(text) + sum(moshi.embed_tokens[c](codes[:, c]) for c in range(2 * k))
+        full = moshi.decoder(inputs_embeds=embeds).last_hidden_state
+        i = torch.arange(steps)
+        allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        mask = torch.where(allowed, 0.0, float("-inf")).double()[None, None].expand(2, 1, steps, steps)
+        windowed = moshi.decoder(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+    for ring, reference, slots in ((16, full, [3, 1]), (window, windowed, [1, 2])):
+        backbone = SlotBackbone(moshi, slots=4, window=ring)
+        out = []
+        for t in range(steps):
+            x = backbone.embed(text[:, t], codes[:, :k, t], codes[:, k:, t])
+            out.append(backbone.forward(x, backbone.cache.step(slots)))
+        torch.testing.assert_close(torch.stack(out, dim=1), reference, rtol=0, atol=1e-10)
+
+
+def test_depth_sampler_equals_the_depth_decoder(tiny64: DuplexModel) -> None:
+    moshi = tiny64.moshi
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, moshi.config.hidden_size, generator=g, dtype=torch.float64)
+    text = torch.randint(0, 64, (3,), generator=g)
+    logits: list[torch.Tensor] = []
+
+    def greedy(scores: torch.Tensor, k: int) -> torch.Tensor:
+        logits.append(scores)
+        return scores.argmax(dim=-1)
+
+    codes = DepthSampler(moshi.depth_decoder, 8).sample(hidden, text, greedy)
+    with torch.no_grad():
+        reference = moshi.depth_decoder(
+            input_ids=torch.cat((text[:, None], codes[:, :-1]), dim=1), last_hidden_state=hidden[:, None, :]
+        ).logits
+    torch.testing.assert_close(torch.stack(logits, dim=1), reference, rtol=0, atol=1e-9)
+
+
+def _run(model: FrameModel, slot_inputs: dict[int, np.ndarray], ticks: int) -> dict[int, tuple[list[int], bytes]]:
+    out: dict[int, tuple[list[int], bytes]] = {slot: ([], b"") for slot in slot_inputs}
+    for t in range(ticks):
+        slots = sorted(slot_inputs)
+        step = model.step(slots, np.stack([slot_inputs[s][t] for s in slots]))
+        for row, slot in enumerate(slots):
+            tokens, pcm = out[slot]
+            out[slot] = ([*tokens, step.text[row]], pcm + step.pcm[row].tobytes())
+    return out
+
+
+def test_a_session_is_the_same_alone_in_a_batch_and_in_a_reused_slot() -> None:
+    model = build_preset("tiny", seed=0, device="cpu", dtype=torch.float32)
+    rng = np.random.default_rng(4)
+    speech = (rng.standard_normal((5, FRAME)) * 3000).astype(np.int16)
+    other = (rng.standard_normal((5, FRAME)) * 3000).astype(np.int16)
+    frames = FrameModel(model, FrameSettings(slots=3))
+    frames.reset(0, seed=7)
+    alone = _run(frames, {0: speech}, 5)[0]
+    frames.reset(2, seed=99)
+    _run(frames, {2: other}, 3)  # an earlier session in slot 2
+    frames.reset(1, seed=7)
+    frames.reset(2, seed=7)
+    batched = _run(frames, {1: speech, 2: speech}, 5)
+    assert batched[1][0] == alone[0] and batched[2][0] == alone[0]
+    for slot in (1, 2):
+        a = np.frombuffer(alone[1], dtype=np.int16).astype(np.int64)
+        b = np.frombuffer(batched[slot][1], dtype=np.int16).astype(np.int64)
+        assert np.abs(a - b).max() <= 2  # float32 batching changes rounding only
+    first = np.frombuffer(alone[1][: 2 * FRAME], dtype=np.int16)
+    assert not first.any() and np.frombuffer(alone[1][2 * FRAME :], dtype=np.int16).any()  # frame 0: delay pattern
+
+
+def test_model_specs() -> None:
+    with pytest.raises(ModelSpecError, match="unknown duplex preset"):
+        load_duplex_model("preset:nope", seed=0, device="cpu", dtype=torch.float32)
+    with pytest.raises(ModelSpecError, match="neither"):
+        load_duplex_model("/no/such/dir", seed=0, device="cpu", dtype=torch.float32)
+    with pytest.raises(ModelSpecError, match="needs --model"):
+        load_duplex_model(None, seed=0, device="cpu", dtype=torch.float32)

@@ -1,0 +1,197 @@
+"""session.update and response.create rules: what each engine kind accepts, and typed refusals."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from omnigate.engines.base import EngineCapabilities, EngineInfo, VoiceInfo
+from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.gateway.realtime.client_events import ResponseParams, SessionPatch
+from omnigate.gateway.realtime.config import (
+    ConfigRefused,
+    RealtimeConfig,
+    apply_update,
+    default_config,
+    response_settings,
+    session_object,
+)
+
+TTS = capabilities_for(
+    EngineInfo(
+        family="piper",
+        model="joe",
+        sample_rate=22050,
+        voices=(VoiceInfo(id="joe", name="Joe"),),
+        default_voice="joe",
+        capabilities=EngineCapabilities(),
+        max_sessions=8,
+    )
+)
+DUPLEX = capabilities_for(
+    EngineInfo(
+        family="duplex",
+        model="preset:tiny",
+        sample_rate=24000,
+        voices=(VoiceInfo(id="moshi", name="Moshi"),),
+        default_voice="moshi",
+        capabilities=EngineCapabilities(duplex=True),
+        max_sessions=4,
+    )
+)
+SERVED = frozenset({"joe", "piper", "gpt-realtime"})
+
+
+def resolve(name: str) -> str:
+    return "joe" if name in ("joe", "alloy", "marin") else name
+
+
+def patch(session: dict[str, object]) -> SessionPatch:
+    return msgspec.convert(session, SessionPatch)
+
+
+def update(
+    config: RealtimeConfig, session: dict[str, object], *, caps: RealtimeCapabilities = TTS, locked: bool = False
+) -> RealtimeConfig:
+    return apply_update(
+        config,
+        patch(session),
+        caps,
+        served_models=SERVED,
+        resolve_voice=resolve,
+        voice_locked=locked,
+    )
+
+
+def test_capabilities_differ_by_engine_kind() -> None:
+    assert TTS.speaks_text_items and not TTS.create_response and TTS.client_commit and not TTS.native_duplex
+    assert DUPLEX.native_duplex and DUPLEX.create_response and not DUPLEX.speaks_text_items
+    assert DUPLEX.output_modalities == ("audio", "text") and TTS.output_modalities == ("audio",)
+    wire = session_object(default_config(TTS, "joe"), "sess_1", TTS)
+    assert wire.capabilities.voices == ["joe"] and wire.audio.input.turn_detection is not None
+    assert wire.audio.input.turn_detection.create_response is False
+
+
+def test_only_named_fields_change() -> None:
+    base = default_config(TTS, "joe")
+    changed = update(
+        base,
+        {
+            "type": "realtime",
+            "audio": {
+                "output": {"voice": "alloy", "format": {"type": "audio/pcmu"}},
+                "input": {"format": {"type": "audio/pcma"}, "turn_detection": {"type": "server_vad", "threshold": 0.7}},
+            },
+        },
+    )
+    assert changed.voice == "joe" and changed.output_format == "audio/pcmu" and changed.input_format == "audio/pcma"
+    assert changed.turn_detection is not None and changed.turn_detection.settings.threshold == 0.7
+    assert changed.turn_detection.settings.silence_duration_ms == 500  # untouched
+    assert changed.turn_detection.interrupt_response is True
+    cleared = update(changed, {"audio": {"input": {"turn_detection": None}}})
+    assert cleared.turn_detection is None and cleared.output_format == "audio/pcmu"
+
+
+@pytest.mark.parametrize(
+    ("session", "code", "param"),
+    [
+        ({"type": "transcription"}, "unsupported", "session.type"),
+        ({"model": "gpt-9"}, "model_not_found", "session.model"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "unsupported", "session.tools"),
+        ({"instructions": "be brief"}, "unsupported", "session.instructions"),
+        ({"output_modalities": ["text"]}, "unsupported", "session.output_modalities"),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+            "unsupported",
+            "session.audio.input.turn_detection.type",
+        ),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": True}}}},
+            "unsupported",
+            "session.audio.input.turn_detection.create_response",
+        ),
+        (
+            {"audio": {"input": {"transcription": {"model": "whisper-1"}}}},
+            "unsupported",
+            "session.audio.input.transcription",
+        ),
+        (
+            {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            "unsupported_format",
+            "session.audio.input.format",
+        ),
+        (
+            {"audio": {"output": {"format": {"type": "audio/opus"}}}},
+            "unsupported_format",
+            "session.audio.output.format",
+        ),
+        ({"audio": {"output": {"speed": 1.2}}}, "unsupported", "session.audio.output.speed"),
+        ({"max_output_tokens": 0}, "invalid_value", "session.max_output_tokens"),
+    ],
+)
+def test_what_the_tts_engine_lacks_is_refused_typed(session: dict[str, object], code: str, param: str) -> None:
+    base = default_config(TTS, "joe")
+    with pytest.raises(ConfigRefused) as refused:
+        update(base, session)
+    assert (refused.value.code, refused.value.param) == (code, param)
+
+
+def test_a_refused_update_changes_nothing() -> None:
+    base = default_config(TTS, "joe")
+    with pytest.raises(ConfigRefused):
+        update(
+            base,
+            {
+                "audio": {
+                    "output": {"format": {"type": "audio/pcmu"}},
+                    "input": {"turn_detection": {"type": "semantic_vad"}},
+                }
+            },
+        )
+    assert base == default_config(TTS, "joe")  # configs are immutable values: the session keeps the old one
+
+
+def test_duplex_rules() -> None:
+    base = default_config(DUPLEX, "preset:tiny")
+    assert base.turn_detection is not None and base.turn_detection.create_response is True
+    text_only = update(base, {"output_modalities": ["text"]}, caps=DUPLEX)
+    assert text_only.output_modalities == ("text",)
+    with pytest.raises(ConfigRefused) as refused:
+        update(
+            base,
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}},
+            caps=DUPLEX,
+        )
+    assert refused.value.param == "session.audio.input.turn_detection.create_response"
+
+
+def test_the_voice_locks_once_audio_was_sent() -> None:
+    base = RealtimeConfig(model="joe", voice="other", turn_detection=None)
+    with pytest.raises(ConfigRefused) as refused:
+        update(base, {"audio": {"output": {"voice": "joe"}}}, locked=True)
+    assert refused.value.code == "voice_locked"
+    assert update(base, {"audio": {"output": {"voice": "other"}}}, locked=True).voice == "other"
+
+
+def test_response_overrides() -> None:
+    base = default_config(TTS, "joe")
+    settings = response_settings(
+        base,
+        msgspec.convert(
+            {"metadata": {"client_event_id": "x"}, "conversation": "none", "max_output_tokens": 10}, ResponseParams
+        ),
+        TTS,
+        resolve,
+    )
+    assert (
+        settings.metadata == {"client_event_id": "x"}
+        and not settings.in_conversation
+        and settings.max_output_tokens == 10
+    )
+    with pytest.raises(ConfigRefused, match="metadata"):
+        response_settings(base, ResponseParams(metadata={str(i): "v" for i in range(17)}), TTS, resolve)
+    with pytest.raises(ConfigRefused) as refused:
+        response_settings(
+            base, msgspec.convert({"audio": {"output": {"voice": "nobody"}}}, ResponseParams), TTS, resolve
+        )
+    assert refused.value.param == "response.audio.output.voice"
