@@ -7,6 +7,10 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
+# What msgspec raises for JSON it cannot decode: malformed text, invalid UTF-8 inside a string (UnicodeDecodeError),
+# or nesting deeper than its recursion limit (RecursionError).
+UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
 HTTP_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
-from omnigate.gateway.errors import describe_validation_error, json_error
+from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
 from omnigate.gateway.speech_protocol import (
     CLIENT_EVENT_TYPES,
     ClientEvent,
@@ -59,6 +59,8 @@ class SpeechInput:
         self.settings = gateway.settings
         self.info = gateway.pool.info
         self.output = WireOutput()
+        # True while the transport writes a segment's audio with the current output settings.
+        self.writing = False
 
     def on_text(self, text: str) -> ClientEvent | None:
         """Apply one JSON message; returns the event it carried, or None when it was refused with an error."""
@@ -81,7 +83,7 @@ class SpeechInput:
                 message, param = describe_validation_error(exc)
                 self.error("invalid_event", f"invalid {kind}: {message}", param=param)
             return None
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             self.error("invalid_json", "message is not valid JSON")
             return None
         if isinstance(event, SessionConfigEvent):
@@ -101,6 +103,15 @@ class SpeechInput:
         self.driver.report(ErrorEvent(code, message, param=param))
 
     def _configure(self, event: SessionConfigEvent) -> None:
+        if self.writing or self.driver.outbox.holds_audio():
+            # Audio generated under the current settings has not all been written yet: changing the output format
+            # now would apply it to that audio.
+            self.error(
+                "config_while_busy",
+                "session.config is refused while audio of an earlier utterance is still being sent; "
+                "wait for session.done and its audio",
+            )
+            return
         try:
             get_format(event.response_format)
         except UnsupportedFormat as exc:

@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.audio_out import AudioOut
-from omnigate.gateway.errors import HttpError, describe_validation_error
+from omnigate.gateway.errors import UNDECODABLE, HttpError, describe_validation_error
 from omnigate.gateway.metrics import Metrics
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.voices import resolve_voice
@@ -72,7 +72,7 @@ def _parse(body: bytes, gateway: Gateway) -> tuple[SpeechRequest, SessionConfig]
     except msgspec.ValidationError as exc:
         message, param = describe_validation_error(exc)
         raise HttpError(400, message, code="invalid_request", param=param) from None
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         raise HttpError(400, "request body is not valid JSON", code="invalid_json") from None
     assert gateway.pool is not None
     info = gateway.pool.info

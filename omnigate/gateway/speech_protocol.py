@@ -7,6 +7,7 @@ from typing import Any, Literal
 import msgspec
 
 from omnigate.engines.base import EngineInfo
+from omnigate.gateway.errors import UNDECODABLE
 from omnigate.gateway.voices import resolve_voice
 from omnigate.sessions.messages import SessionConfig
 from omnigate.sessions.segmenter import SegmenterConfig
@@ -68,7 +69,7 @@ def event_type_of(raw: bytes | str) -> Any:
     """The ``type`` field of a JSON object, or None, to word errors for unknown event types."""
     try:
         obj = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return None
     return obj.get("type") if isinstance(obj, dict) else None
 

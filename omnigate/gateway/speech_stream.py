@@ -26,7 +26,7 @@ from omnigate.gateway.speech_adapter import (
     session_done_event,
 )
 from omnigate.gateway.state import Gateway
-from omnigate.gateway.task_pair import run_reader_writer
+from omnigate.gateway.task_pair import park, run_reader_writer
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
     ErrorEvent,
@@ -114,7 +114,7 @@ class SpeechStreamConnection:
                     message = await self.ws.receive()
             except TimeoutError:
                 self.driver.fail("config_timeout", "no session.config within the config timeout")
-                return
+                await park()
             if message["type"] == "websocket.disconnect":
                 self.disconnected = True
                 self.driver.abort("client_disconnected")
@@ -125,7 +125,7 @@ class SpeechStreamConnection:
                 continue
             self.input.on_text(text)
             if self.driver.closed:
-                return
+                await park()
 
     # ---- writer -----------------------------------------------------------------------------------------------
 
@@ -153,6 +153,7 @@ class SpeechStreamConnection:
                 elif data:
                     held.append(data)
             elif isinstance(event, SegmentStarted):
+                self.input.writing = True
                 if out is not None:
                     out.close()
                 output = self.input.output
@@ -171,6 +172,7 @@ class SpeechStreamConnection:
                         return
                     total = out.bytes_out
                 self._out, held = None, []
+                self.input.writing = False
                 if not await self._send_json(audio_done_event(event, total)):
                     return
             elif isinstance(event, UtteranceDone):

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+async def park() -> None:
+    """Wait until cancelled: a reader that has nothing left to read parks here until the writer, which still has
+    the last events and the close frame to send, ends the connection (and so cancels it)."""
+    await asyncio.get_running_loop().create_future()
 
 
 async def run_reader_writer(reader: Coroutine[Any, Any, None], writer: Coroutine[Any, Any, None], name: str) -> None:
@@ -18,4 +27,8 @@ async def run_reader_writer(reader: Coroutine[Any, Any, None], writer: Coroutine
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for task, result in zip(tasks, results, strict=True):
+            # A crash of either side would otherwise vanish: the client would only see its connection drop.
+            if isinstance(result, Exception):
+                log.error("%s failed", task.get_name(), exc_info=result)

@@ -24,7 +24,7 @@ from omnigate.codecs.video import FragmentedMp4Writer
 from omnigate.engines.base import EngineError
 from omnigate.engines.registry import load_video_engine
 from omnigate.engines.video.outputs import FrameGroup, VideoDone, decoded_before_first_consumed, first_time
-from omnigate.gateway.errors import describe_validation_error, json_error
+from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_protocol import event_type_of
 from omnigate.gateway.state import Gateway
@@ -206,7 +206,7 @@ class VideoStreamConnection:
                 message, param = describe_validation_error(exc)
                 await self._error("invalid_event", f"invalid {kind}: {message}", param)
             return True
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             await self._error("invalid_json", "message is not valid JSON")
             return True
         if isinstance(event, VideoCreate):

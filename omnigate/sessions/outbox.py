@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from omnigate.sessions.messages import Event, MediaChunk
+from omnigate.sessions.messages import Event, MediaChunk, SegmentDone, SegmentStarted
 
 
 class OutboxOverflow(Exception):
@@ -34,6 +34,10 @@ class Outbox:
     @property
     def free_media_ms(self) -> float:
         return max(0.0, self.max_media_ms - self.media_ms)
+
+    def holds_audio(self) -> bool:
+        """True while a segment's events (its start, audio or end) wait to be sent."""
+        return any(isinstance(e, (MediaChunk, SegmentStarted, SegmentDone)) for e in self._items)
 
     def push(self, event: Event) -> None:
         if isinstance(event, MediaChunk):

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from omnigate.gateway.errors import UNDECODABLE
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -208,7 +210,7 @@ def peek(raw: bytes | str) -> tuple[str | None, str | None]:
     """The ``type`` and ``event_id`` of a message that failed to parse, to word and address its error."""
     try:
         envelope = msgspec.json.decode(raw, type=_Envelope)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (*UNDECODABLE, msgspec.ValidationError):
         return None, None
     kind = envelope.type if isinstance(envelope.type, str) else None
     event_id = envelope.event_id if isinstance(envelope.event_id, str) else None

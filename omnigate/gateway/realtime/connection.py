@@ -29,6 +29,7 @@ from typing import Literal
 import msgspec
 
 from omnigate.engines.vad import WINDOW_MS, SpeechProbability
+from omnigate.gateway.errors import UNDECODABLE
 from omnigate.gateway.realtime.audio import (
     ENGINE_RATE,
     InputConverter,
@@ -281,7 +282,7 @@ class RealtimeConnection:
             else:
                 self._error("invalid_event", f"invalid {kind}: {exc}", event_id)
             return
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             self._error("invalid_json", "the message is not valid JSON", None)
             return
         try:

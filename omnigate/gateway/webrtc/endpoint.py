@@ -124,7 +124,8 @@ async def _read_offer(request: Request, limit: int) -> str:
     try:
         text = body.decode("utf-8")
         parsed = SessionDescription.parse(text)
-    except (UnicodeDecodeError, ValueError, IndexError, KeyError) as exc:
+    # aiortc's parser signals some malformed lines (a media line without a numeric port) with AssertionError.
+    except (UnicodeDecodeError, ValueError, IndexError, KeyError, AssertionError) as exc:
         raise HttpError(400, f"the body is not an SDP offer: {exc}", code="invalid_offer") from None
     audio = [m for m in parsed.media if m.kind == "audio"]
     if not audio:

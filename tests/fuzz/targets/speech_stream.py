@@ -11,9 +11,10 @@ import msgspec
 from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection
 
+from omnigate.gateway.errors import UNDECODABLE
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_protocol import SessionCloseEvent, decode_client_event, event_type_of
-from tests.fuzz.harness import ERROR, VALID, Expectation, FuzzMessage, KnownIssue, WsTarget, nesting_depth_at_least
+from tests.fuzz.harness import ERROR, VALID, Expectation, FuzzMessage, WsTarget
 from tests.fuzz.mutations import json_values, malformed_frames, mutate, strings
 
 _SYNC = re.compile(r"'fuzz\.sync\.(\d+)'")
@@ -70,39 +71,15 @@ class SpeechStreamTarget(WsTarget):
             return ERROR
         try:
             event = decode_client_event(text)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, *UNDECODABLE):
             return ERROR
         if isinstance(event, SessionCloseEvent):
             return Expectation("close", frozenset({1000}))
         return VALID
 
-    def known_issues(self) -> list[KnownIssue[FuzzMessage]]:
-        # speech_protocol.event_type_of decodes untyped and lets RecursionError escape: the reader task dies and the
-        # connection drops without a close frame or an error event.
-        # speech_stream.SpeechStreamConnection.run cancels the writer as soon as the reader returns; after
-        # session.close the reader returns once the session is closed, which can be before the writer has sent the
-        # last utterance's queued events and the close frame: the client loses them and sees no close (a race, so
-        # no deterministic example).
-        return [
-            KnownIssue(
-                "JSON nested 1000 deep: the connection drops untyped",
-                [FuzzMessage(b"[" * 5000 + b"]" * 5000)],
-                lambda message: nesting_depth_at_least(message.data, 900),
-            ),
-            KnownIssue(
-                "session.close can drop the last events and the close frame",
-                None,
-                lambda message: b"session.close" in message.data,
-            ),
-            # The writer reads the output format from the connection when it writes a segment, not from the
-            # utterance: a session.config that changes it while the previous utterance is still being sent makes
-            # complete_wav raise on opus/mp3 bytes, the writer dies silently and the connection drops (a race).
-            KnownIssue(
-                "a session.config changing the output while audio is still being sent drops the connection",
-                None,
-                lambda message: b"response_format" in message.data or b"stream_audio" in message.data,
-            ),
-        ]
+    def regressions(self) -> list[list[FuzzMessage]]:
+        # JSON nested deeper than msgspec recurses once killed the reader and dropped the connection untyped.
+        return [[FuzzMessage(b"[" * 5000 + b"]" * 5000)]]
 
     def sync(self, n: int) -> FuzzMessage:
         return FuzzMessage.json({"type": f"fuzz.sync.{n}"})
