@@ -33,17 +33,17 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import numpy as np
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
 
 from omnigate.loadtest.report import TargetSpec
 from omnigate.loadtest.targets.base import SessionSettings, Target, ws_url
+from omnigate.loadtest.targets.ws_connect import CLOSE_WAIT_S, connect_traced
 from omnigate.loadtest.traces import SessionTrace, UtteranceTrace
 
 REALTIME_PATH = "/v1/realtime"
 RATE = 24_000
 SPEECH_FILE = Path(__file__).with_name("realtime_user_turn.wav")
-_CLOSE_WAIT_S = 5.0
 _SPEECH_STOP_WAIT_S = 5.0
 
 
@@ -144,26 +144,9 @@ class RealtimeTarget(Target):
         """From response.cancel sent to that response's response.done received, ms."""
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        try:
-            connection = await connect(
-                self.url,
-                compression=None,
-                proxy=None,
-                open_timeout=self.settings.connect_timeout_s,
-                ping_interval=None,
-                close_timeout=_CLOSE_WAIT_S,
-                max_size=16 * 2**20,
-            )
-        except InvalidStatus as exc:
-            trace.error(f"http_{exc.response.status_code}", exc.response.body.decode(errors="replace"))
+        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace)
+        if connection is None:
             return
-        except TimeoutError:
-            trace.error("connect_timeout")
-            return
-        except (OSError, InvalidHandshake, InvalidURI) as exc:
-            trace.error("connect_failed", str(exc))
-            return
-        trace.connected(time.perf_counter())
         async with connection:
             await self._converse(connection, texts, trace)
 
@@ -207,7 +190,7 @@ class RealtimeTarget(Target):
                     self.cancel_to_done_ms.append((turn.done_s - turn.cancel_sent_s) * 1000.0)
             state.closing = True
         except ConnectionClosed:
-            await asyncio.wait({reader}, timeout=_CLOSE_WAIT_S)
+            await asyncio.wait({reader}, timeout=CLOSE_WAIT_S)
         finally:
             if microphone is not None:
                 microphone.cancel()

@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 
 import msgspec
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
 
 from omnigate.loadtest.corpus import word_chunks
 from omnigate.loadtest.protocol import (
@@ -29,10 +29,10 @@ from omnigate.loadtest.protocol import (
     SessionDoneEvent,
 )
 from omnigate.loadtest.targets.base import Target, ws_url
+from omnigate.loadtest.targets.ws_connect import CLOSE_WAIT_S, connect_traced
 from omnigate.loadtest.traces import SessionTrace, UtteranceTrace
 
 SPEECH_STREAM_PATH = "/v1/audio/speech/stream"
-_CLOSE_WAIT_S = 5.0
 
 
 class _Receiving:
@@ -52,27 +52,9 @@ class WsSpeechTarget(Target):
         return ws_url(self.spec.url, SPEECH_STREAM_PATH)
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        settings = self.settings
-        try:
-            connection = await connect(
-                self.url,
-                compression=None,  # PCM does not compress; deflate would only burn CPU on both ends
-                proxy=None,
-                open_timeout=settings.connect_timeout_s,
-                ping_interval=None,
-                close_timeout=_CLOSE_WAIT_S,
-                max_size=16 * 2**20,
-            )
-        except InvalidStatus as exc:
-            trace.error(f"http_{exc.response.status_code}", exc.response.body.decode(errors="replace"))
+        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace)
+        if connection is None:
             return
-        except TimeoutError:
-            trace.error("connect_timeout")
-            return
-        except (OSError, InvalidHandshake, InvalidURI) as exc:
-            trace.error("connect_failed", str(exc))
-            return
-        trace.connected(time.perf_counter())
         async with connection:
             await self._converse(connection, texts, trace)
 
@@ -97,12 +79,12 @@ class WsSpeechTarget(Target):
             state.closing = True
             await connection.send(CLIENT_ENCODER.encode(SessionCloseMessage()).decode())
             try:
-                await asyncio.wait_for(asyncio.shield(reader), _CLOSE_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
             except TimeoutError:
                 trace.error("close_timeout")
         except ConnectionClosed:
             # The reader records why the server closed; let it see the close before it is stopped.
-            await asyncio.wait({reader}, timeout=_CLOSE_WAIT_S)
+            await asyncio.wait({reader}, timeout=CLOSE_WAIT_S)
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
