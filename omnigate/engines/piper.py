@@ -8,6 +8,7 @@ while it runs, and each run is held to one intra-op thread so that ``workers`` w
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -110,6 +111,7 @@ class PiperEngine(Engine):
         # Without the arena, buffers go back to the allocator after each run: a voice's memory stays flat whatever
         # sentence lengths it has seen, instead of keeping the high-water mark of the longest one.
         session_options.enable_cpu_mem_arena = False
+        _bound_large_allocations()
         session = onnxruntime.InferenceSession(
             str(model_path), sess_options=session_options, providers=["CPUExecutionProvider"]
         )
@@ -271,3 +273,21 @@ def _languages(config: Mapping[str, Any]) -> tuple[str, ...]:
     primary, _, region = code.replace("_", "-").partition("-")
     primary = primary.lower()
     return (primary, f"{primary}-{region.upper()}") if region else (primary,)
+
+
+# glibc's M_MMAP_THRESHOLD parameter of mallopt(3).
+_M_MMAP_THRESHOLD = -3
+
+
+def _bound_large_allocations() -> None:
+    """Serve allocations of 1 MiB and more with mmap, so freeing them returns the memory to the system.
+
+    Without the arena, each synthesis allocates its buffers through malloc. glibc raises its mmap threshold after
+    the first large frees and from then on keeps such buffers in per-thread heaps that it does not give back, so a
+    process's memory would step up with every new thread and sentence length it has seen.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
