@@ -13,50 +13,16 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from omnigate.engines.base import AudioChunk, EngineError, EngineOutput, StreamDone, SynthesisParams
+from omnigate.engines.base import EngineError, StreamDone, SynthesisParams
 from omnigate.engines.pool import PoolFull
 from omnigate.engines.remote.pool import RemoteEnginePool, RemoteStream
 from omnigate.engines.remote.protocol import ReplicaReport, decode_drain
 from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.remote.transport import ReplicaUnavailable
 from omnigate.engines.synthetic import SyntheticEngine
+from tests.engine_outputs import TIMEOUT_S, Collector
 
-TIMEOUT_S = 10.0
 TONE = SynthesisParams(voice="tone")
-
-
-class Collector:
-    """A sink that records outputs and wakes waiters at audio totals and at the stream's end."""
-
-    def __init__(self) -> None:
-        self.outputs: list[EngineOutput] = []
-        self.done = asyncio.Event()
-        self._waiters: list[tuple[float, asyncio.Event]] = []
-
-    def __call__(self, outputs: list[EngineOutput]) -> None:
-        self.outputs.extend(outputs)
-        for threshold, event in self._waiters:
-            if self.audio_ms >= threshold:
-                event.set()
-        if any(isinstance(o, StreamDone) for o in outputs):
-            self.done.set()
-
-    @property
-    def audio_ms(self) -> float:
-        return sum(o.duration_ms for o in self.outputs if isinstance(o, AudioChunk))
-
-    async def audio_reaches(self, ms: float) -> None:
-        event = asyncio.Event()
-        self._waiters.append((ms, event))
-        if self.audio_ms >= ms:
-            event.set()
-        await asyncio.wait_for(event.wait(), TIMEOUT_S)
-
-    async def finished(self) -> StreamDone:
-        await asyncio.wait_for(self.done.wait(), TIMEOUT_S)
-        last = self.outputs[-1]
-        assert isinstance(last, StreamDone)
-        return last
 
 
 class LinkedReplica:
