@@ -501,10 +501,11 @@ def _free_port() -> int:
 
 
 class GpuMemorySampler:
-    """Largest GPU memory in use (nvidia-smi, MiB) while running."""
+    """Largest GPU memory in use (nvidia-smi, MiB) and the mean GPU utilization (%) while running."""
 
     def __init__(self) -> None:
         self.peak_mib = 0
+        self.utilization: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -512,13 +513,19 @@ class GpuMemorySampler:
         while not self._stop.is_set():
             with contextlib.suppress(Exception):
                 text = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    ["nvidia-smi", "--query-gpu=memory.used,utilization.gpu", "--format=csv,noheader,nounits"],
                     capture_output=True,
                     text=True,
                     timeout=5,
                 ).stdout
-                self.peak_mib = max(self.peak_mib, max(int(v) for v in text.split()))
+                used, busy = (float(v) for v in text.splitlines()[0].split(","))
+                self.peak_mib = max(self.peak_mib, int(used))
+                self.utilization.append(busy)
             self._stop.wait(0.5)
+
+    @property
+    def mean_utilization(self) -> float | None:
+        return sum(self.utilization) / len(self.utilization) if self.utilization else None
 
     def __enter__(self) -> GpuMemorySampler:
         self._thread.start()
@@ -531,10 +538,17 @@ class GpuMemorySampler:
 
 @contextlib.contextmanager
 def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    launcher = ["-m", "omnigate.gateway.cli"]
+    if args.switch_interval_ms is not None:
+        # The engine thread and the event loop share the GIL; this sets how long one may hold it against the other.
+        launcher = [
+            "-c",
+            f"import sys; sys.setswitchinterval({args.switch_interval_ms / 1000!r}); "
+            "from omnigate.gateway.cli import main; sys.exit(main())",
+        ]
     command = [
         sys.executable,
-        "-m",
-        "omnigate.gateway.cli",
+        *launcher,
         "serve",
         "--engine",
         "talker",
@@ -572,6 +586,49 @@ def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> f
                 return time.perf_counter() - t0
         time.sleep(1)
     raise RuntimeError("the server did not become ready")
+
+
+def _histogram_quantile(series: dict[str, float], name: str, q: float) -> float | None:
+    """Upper bucket bound holding quantile ``q`` of a Prometheus histogram's increase over the level."""
+    total = series.get(f"{name}_count", 0.0)
+    if total <= 0:
+        return None
+    bounds = sorted(
+        (float(key.split('le="')[1].rstrip('"}')), value)
+        for key, value in series.items()
+        if key.startswith(f"{name}_bucket{{")
+    )
+    for bound, count in bounds:
+        if count >= q * total:
+            return bound
+    return None
+
+
+def server_side(metric_series: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """What the server itself reported over a level: engine steps, event-loop lag, CPU of the process."""
+    delta = {m["name"]: float(m["delta"]) for m in metric_series}
+    steps = delta.get("omnigate_engine_step_duration_seconds_count", 0.0)
+    lags = delta.get("omnigate_event_loop_lag_seconds_count", 0.0)
+    step_ms = 1000 * delta.get("omnigate_engine_step_duration_seconds_sum", 0.0) / steps if steps else None
+    step_p99 = _histogram_quantile(delta, "omnigate_engine_step_duration_seconds", 0.99)
+    return {
+        "engine_steps": steps,
+        "engine_step_mean_ms": step_ms,
+        "engine_step_p99_ms_upper_bound": _ms(step_p99),
+        "engine_steps_over_50ms_fraction": (
+            1 - delta.get('omnigate_engine_step_duration_seconds_bucket{le="0.05"}', 0.0) / steps if steps else None
+        ),
+        "engine_batch_mean": delta.get("omnigate_engine_batch_size_sum", 0.0) / steps if steps else None,
+        "engine_busy_fraction": delta.get("omnigate_engine_step_duration_seconds_sum", 0.0) / wall_s,
+        "loop_lag_mean_ms": 1000 * delta.get("omnigate_event_loop_lag_seconds_sum", 0.0) / lags if lags else None,
+        "loop_lag_p99_ms_upper_bound": _ms(_histogram_quantile(delta, "omnigate_event_loop_lag_seconds", 0.99)),
+        "server_cpu_cores": delta.get("server_process_cpu_seconds_total", 0.0) / wall_s,
+        "server_loop_thread_cpu_cores": delta.get("server_process_main_thread_cpu_seconds_total", 0.0) / wall_s,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
 
 
 def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_dir: Path) -> dict[str, Any]:
@@ -625,6 +682,8 @@ def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_d
         "audio_s": level["audio_s"],
         "client_cpu_percent": level["client_cpu_percent"],
         "gpu_memory_peak_mib": gpu.peak_mib,
+        "gpu_utilization_mean_percent": gpu.mean_utilization,
+        "server_side": server_side(level.get("server_metrics") or [], level["wall_s"]),
         "wall_s": wall,
         "command": shlex.join(command),
     }
@@ -632,7 +691,8 @@ def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_d
         report_path.unlink()
     log(
         f"level {sessions}: passed={summary['passed']} TTFA p50={summary['ttfa_ms']['p50']} "
-        f"p99={summary['ttfa_ms']['p99']} underruns={summary['underruns']} reasons={summary['reasons']}"
+        f"p99={summary['ttfa_ms']['p99']} underruns={summary['underruns']} reasons={summary['reasons']} "
+        f"server={json.dumps(summary['server_side'])} gpu_util={summary['gpu_utilization_mean_percent']}"
     )
     return summary
 
@@ -699,6 +759,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--naive-batches", type=lambda t: [int(v) for v in t.split(",")], default=[1, 8])
     parser.add_argument("--steady-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1, 512])
     parser.add_argument("--levels", default="1,8,64,256", help="fixed concurrencies measured first")
+    parser.add_argument(
+        "--switch-interval-ms", type=float, help="the server's GIL switch interval (Python's default: 5 ms)"
+    )
     parser.add_argument("--capacity-start", type=int, default=512)
     parser.add_argument("--capacity-resolution", type=int, default=64)
     parser.add_argument("--max-level", type=int, default=768)

@@ -20,6 +20,7 @@ from omnigate.gateway import info
 from omnigate.gateway.auth import AuthMiddleware
 from omnigate.gateway.client_secrets import client_secrets_endpoint
 from omnigate.gateway.credentials import ApiKeys, ClientSecretStore
+from omnigate.gateway.loop_lag import watch_loop_lag
 from omnigate.gateway.metrics import Metrics
 from omnigate.gateway.ratelimit import KeyedSessionRegistry
 from omnigate.gateway.realtime.service import start_realtime
@@ -100,11 +101,15 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             pool.info.sample_rate,
             " (synthetic test engine)" if pool.info.synthetic else "",
         )
+        loop_lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag.observe), name="loop-lag")
         try:
             app.state.video_engine = await start_video_engine(settings)
             app.state.realtime = await start_realtime(settings, pool)
             yield
         finally:
+            loop_lag.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_lag
             gateway.registry.draining = True
             await webrtc.close_all()
             gateway.pool = None

@@ -99,7 +99,7 @@ class Metrics:
     def __init__(self, gateway: Gateway) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_GatewayCollector(gateway))
-        ProcessCollector(registry=self.registry)
+        ProcessCollector(registry=self.registry)  # resident memory, open fds, CPU of the server process
         self.ttfa = Histogram(
             "omnigate_ttfa_seconds",
             "Server-side time from a unit reaching the engine to its first audio leaving the session",
@@ -136,10 +136,15 @@ class Metrics:
         self.engine_batch = Histogram(
             "omnigate_engine_batch_size",
             "Streams advanced by one engine step",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=self.registry,
         )
-        ProcessCollector(registry=self.registry)  # resident memory, open fds, CPU of the server process
+        self.loop_lag = Histogram(
+            "omnigate_event_loop_lag_seconds",
+            "How late the server's event loop woke a task from a timed sleep",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         """The pool's step observer (called on a scheduler thread; prometheus_client is thread-safe)."""

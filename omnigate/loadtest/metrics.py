@@ -61,7 +61,8 @@ class MetricsSampler:
 
     Two sources, each optional: ``GET /metrics`` (``client`` given; the first failure stops it, recorded in
     :attr:`error`), and the server process itself when it runs on this machine (``server_pid`` given; resident
-    memory, CPU time, threads and open files read with psutil, which ``/metrics`` may not expose).
+    memory, CPU time (also of the main thread, which runs the event loop), threads and open files read with psutil,
+    which ``/metrics`` may not expose).
     """
 
     def __init__(
@@ -129,9 +130,15 @@ def _read_process(process: Any) -> dict[str, tuple[str, float]] | None:
     try:
         with process.oneshot():
             times = process.cpu_times()
+            # The main thread runs the event loop; the rest is engine and codec threads.
+            main = next((t for t in process.threads() if t.id == process.pid), None)
             sample = {
                 "server_process_resident_memory_bytes": ("gauge", float(process.memory_info().rss)),
                 "server_process_cpu_seconds_total": ("counter", float(times.user + times.system)),
+                "server_process_main_thread_cpu_seconds_total": (
+                    "counter",
+                    float(main.user_time + main.system_time) if main is not None else math.nan,
+                ),
                 "server_process_threads": ("gauge", float(process.num_threads())),
                 "server_process_open_fds": ("gauge", float(process.num_fds())),
             }

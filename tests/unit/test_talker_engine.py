@@ -356,3 +356,32 @@ def test_cuda_graph_steps_sound_the_same_as_eager_steps_on_the_gpu() -> None:
         stream = open_stream(gpu, ["On the device."], seed=50, max_audio_ms=1200)
         audio[graphs] = audio_of(drain(gpu, stream))
     assert len(audio[True]) == 15 * 1920 * 2 and audio[True] == audio[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_graphs_match_the_eager_prefill_and_leave_other_slots_alone() -> None:
+    gpu = make_engine(device="cuda", dtype="float32", cuda_graphs=False, max_sessions=4, max_batch=4)
+    frames = gpu.frames
+    hidden = frames.backbone.heads * frames.backbone.head_dim
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    history = torch.randn(7, hidden, generator=generator, device="cuda")
+    units = [torch.randn(n, hidden, generator=generator, device="cuda") for n in (5, 11)]
+
+    def prefill_twice() -> tuple[torch.Tensor, torch.Tensor]:
+        for slot in range(4):
+            frames.cache.reset(slot)
+        frames.cache.keys.zero_()
+        frames.cache.values.zero_()
+        frames.prefill([2], [history])  # slot 2 has context; slots 0 and 1 start empty
+        untouched = frames.cache.keys[:, 3].clone()
+        out = frames.prefill([0, 2], units)
+        assert torch.equal(frames.cache.keys[:, 3], untouched)
+        return out, frames.cache.keys[:, 2, : 7 + 11].clone()
+
+    eager_out, eager_keys = prefill_twice()
+    frames.capture_prefill(32)
+    assert frames.prefill_graphs is not None and frames.prefill_graphs.buckets == [16, 32]
+    graph_out, graph_keys = prefill_twice()
+    torch.testing.assert_close(graph_out, eager_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(graph_keys, eager_keys, rtol=1e-4, atol=1e-4)
+    assert frames.cache.length(0) == 5 and frames.cache.length(2) == 7 + 11

@@ -3,7 +3,7 @@
 Each :meth:`TalkerEngine.step` advances every stream of the batch by at most one codec frame (80 ms for Mimi):
 
 1. streams starting a text unit extend their slot's context with the unit's tokens, all of them in one prefill
-   forward over the flattened tokens;
+   forward over the flattened tokens (on a GPU, a CUDA graph bucketed by token count);
 2. one device step (:class:`~omnigate.engines.talker.frame_step.FrameStep`, a CUDA graph per batch-size bucket on a
    GPU) runs the backbone one position on for the streams mid-unit, samples codebook 0 and the residual codebooks for
    every row, decodes each new frame through the streaming Mimi decoder and converts it to s16 PCM;
@@ -97,6 +97,8 @@ class TalkerEngine(Engine):
         )
         graphs = options.cuda_graphs and self.frames.device.type == "cuda"
         self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
+        if graphs and options.prefill_graph_tokens:
+            self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
         self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
         self.sample_rate = self.codec.sample_rate
         self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate

@@ -4,7 +4,8 @@ The backbone reads a sequence of text-token and audio-frame embeddings and predi
 from its last hidden state; the depth decoder then predicts codebooks 1..N-1 one after another, starting from that
 hidden state and codebook 0. Both run batched over all streams of a step. :meth:`FrameModel.decode` and
 :meth:`FrameModel.generate` read nothing from the host and use fixed-size index tensors, so a whole step can be
-captured in a CUDA graph; :meth:`FrameModel.prefill` plans on the host and runs eagerly.
+captured in a CUDA graph; :meth:`FrameModel.prefill` plans on the host, then runs its backbone forward from a graph
+bucketed by token count once :meth:`FrameModel.capture_prefill` has run (eagerly otherwise).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from omnigate.engines.talker.decoder_stack import DecoderStack
 from omnigate.engines.talker.kv_slots import SlotKVCache
 from omnigate.engines.talker.model import TalkerModel
+from omnigate.engines.talker.prefill_graphs import PrefillGraphs
 from omnigate.engines.talker.sampling import TokenSampler
 from omnigate.kernels.sampling import SamplingRows, sample_tokens
 
@@ -64,6 +66,7 @@ class FrameModel:
         self._depth_heads: torch.Tensor = csm.depth_decoder.codebooks_head.weight  # [N-1, hidden, vocab]
         self._depth = _DepthPlan(self.depth, depth.rotary_emb, self.num_codebooks, max_batch, self.device, self.dtype)
         self._no_history = torch.full((1, self.num_codebooks, 0), -1, dtype=torch.int64, device=self.device)
+        self.prefill_graphs: PrefillGraphs | None = None
 
     # ---- embeddings ---------------------------------------------------------------------------------------------
 
@@ -90,13 +93,30 @@ class FrameModel:
         out = self.backbone.forward(x, self.cache.keys, self.cache.values, slots, positions, cos[0], sin[0])
         return out
 
+    def capture_prefill(self, max_tokens: int) -> None:
+        """Capture the prefill's backbone forward as CUDA graphs for up to ``max_tokens`` tokens (larger prefills
+        run eagerly)."""
+        self.prefill_graphs = PrefillGraphs(
+            self._backbone,
+            hidden=self.backbone.heads * self.backbone.head_dim,
+            scratch_slot=self.cache.scratch,
+            max_tokens=max_tokens,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
     @torch.no_grad()
     def prefill(self, slots: Sequence[int], embeddings: Sequence[torch.Tensor]) -> torch.Tensor:
         """Append ``embeddings[i]`` (``[T_i, hidden]``) to ``slots[i]``'s context in one forward over all their
         tokens; returns each slot's last hidden state after the final norm, ``[len(slots), hidden]``."""
         counts = [int(e.shape[0]) for e in embeddings]
         rows = self.cache.plan(slots, counts)
-        x = self._backbone(torch.cat(list(embeddings)).to(self.dtype), rows.slots, rows.positions)
+        tokens = torch.cat(list(embeddings)).to(self.dtype)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.fits(tokens.shape[0]):
+            x = graphs.run(tokens, rows.slots, rows.positions)
+        else:
+            x = self._backbone(tokens, rows.slots, rows.positions)
         self.cache.commit(slots, counts)
         last = torch.tensor(rows.last_rows(), device=self.device)
         return self.backbone.norm(x.index_select(0, last))
