@@ -539,6 +539,9 @@ class GpuMemorySampler:
 @contextlib.contextmanager
 def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     launcher = ["-m", "omnigate.gateway.cli"]
+    if args.profile_engine:
+        profiled = Path(__file__).with_name("profiled_server.py")
+        launcher = [str(profiled), "--profile-out", str(log_path.with_name("engine.prof"))]
     if args.switch_interval_ms is not None:
         # The engine thread and the event loop share the GIL; this sets how long one may hold it against the other.
         launcher = [
@@ -759,6 +762,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--naive-batches", type=lambda t: [int(v) for v in t.split(",")], default=[1, 8])
     parser.add_argument("--steady-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1, 512])
     parser.add_argument("--levels", default="1,8,64,256", help="fixed concurrencies measured first")
+    parser.add_argument(
+        "--profile-engine", action="store_true", help="profile the server's engine steps (engine.prof in --out)"
+    )
     parser.add_argument(
         "--switch-interval-ms", type=float, help="the server's GIL switch interval (Python's default: 5 ms)"
     )

@@ -55,8 +55,8 @@ class _ConvState:
         out: torch.Tensor = self.conv(x)
         return out
 
-    def reset(self, slot: int) -> None:
-        self.history[slot].zero_()
+    def reset(self, slots: torch.Tensor) -> None:
+        self.history.index_fill_(0, slots, 0.0)
 
 
 class _TransposedConvState:
@@ -82,8 +82,8 @@ class _TransposedConvState:
             out = out + self.conv.bias[:, None]
         return out
 
-    def reset(self, slot: int) -> None:
-        self.tail[slot].zero_()
+    def reset(self, slots: torch.Tensor) -> None:
+        self.tail.index_fill_(0, slots, 0.0)
 
 
 class SlotKvLayers:
@@ -144,9 +144,9 @@ class _WindowedTransformer(SlotKvLayers):
         self.positions = torch.zeros(slots, device=device, dtype=torch.int64)
         self.filled = torch.zeros(slots, device=device, dtype=torch.int64)  # real entries in the window
 
-    def reset(self, slot: int) -> None:
-        self.positions[slot] = 0
-        self.filled[slot] = 0
+    def reset(self, slots: torch.Tensor) -> None:
+        self.positions.index_fill_(0, slots, 0)
+        self.filled.index_fill_(0, slots, 0)
 
     def _allowed(self, filled: torch.Tensor, steps: int) -> torch.Tensor:
         # Past key j (absolute position pos - past + j) is visible to step t when it is within the window
@@ -253,15 +253,19 @@ class MimiStreamDecoder:
             tensors.append(self._upsample.tail[0])
         return sum(t.numel() * t.element_size() for t in tensors) + 16
 
-    def reset(self, slot: int) -> None:
-        """Forget the session in ``slot``: the next frame decoded there starts a new stream."""
+    def reset(self, *slots: int) -> None:
+        """Forget the sessions in ``slots``: the next frame decoded in each starts a new stream. One call for many
+        slots costs what one slot does (a few dozen small kernels), so callers gather the slots of a step."""
+        if not slots:
+            return
+        index = torch.tensor(slots, device=self.device)
         if self._upsample is not None:
-            self._upsample.reset(slot)
-        self._transformer.reset(slot)
+            self._upsample.reset(index)
+        self._transformer.reset(index)
         for conv in self._convs.values():
-            conv.reset(slot)
+            conv.reset(index)
         for transposed in self._transposed.values():
-            transposed.reset(slot)
+            transposed.reset(index)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:

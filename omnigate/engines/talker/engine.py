@@ -20,6 +20,7 @@ import itertools
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -107,6 +108,7 @@ class TalkerEngine(Engine):
             ms_per_char = PRESET_MS_PER_CHAR if model.random_weights else 0.0
         self.segment_ms_per_char = ms_per_char
         self._slot_lock = threading.Lock()
+        self._fresh_slots: list[int] = []
         self._free_slots = list(range(options.max_sessions - 1, -1, -1))
         self._opened = itertools.count()
         voices = tuple(VoiceInfo(id=str(i), name=f"Speaker {i}") for i in range(options.speakers))
@@ -214,8 +216,7 @@ class TalkerEngine(Engine):
                     raise EngineError("no_slot", "every talker slot is taken")
                 stream.slot = self._free_slots.pop()
             self.frames.cache.reset(stream.slot)
-            self.codec.reset(stream.slot)
-            self.device_step.reset(stream.slot)
+            self._fresh_slots.append(stream.slot)  # device state is cleared for all new slots at once
         return stream.slot
 
     def _finish(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
@@ -231,6 +232,10 @@ class TalkerEngine(Engine):
         endings: dict[int, StopReason] = {}
         with torch.no_grad():
             advancing, starting = self._plan(batch, budget_ms, outputs, endings)
+            if self._fresh_slots:
+                self.codec.reset(*self._fresh_slots)
+                self.device_step.reset(*self._fresh_slots)
+                self._fresh_slots.clear()
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
             self._emit_audio(batch, budget_ms, outputs, endings)
@@ -244,20 +249,20 @@ class TalkerEngine(Engine):
         budget_ms: Sequence[float],
         outputs: list[list[EngineOutput]],
         endings: dict[int, StopReason],
-    ) -> tuple[list[int], list[tuple[int, torch.Tensor]]]:
-        """Rows that advance one frame, and rows that start a unit this step with the embeddings they prefill."""
+    ) -> tuple[list[int], list[tuple[int, _PrefillUnit]]]:
+        """Rows that advance one frame, and rows that start a unit this step with what they prefill."""
         advancing: list[int] = []
-        starting: list[tuple[int, torch.Tensor]] = []
+        starting: list[tuple[int, _PrefillUnit]] = []
         prefill_tokens = 0
         for row, (stream, budget) in enumerate(zip(batch, budget_ms, strict=True)):
             if stream.finished or stream.closed:
                 continue
             if stream.segment is None:
                 room = self.options.prefill_tokens_per_step - prefill_tokens if starting else None
-                embeddings = self._start_segment(stream, budget, outputs[row], room)
-                if embeddings is not None:
-                    starting.append((row, embeddings))
-                    prefill_tokens += embeddings.shape[0]
+                unit = self._start_segment(stream, budget, outputs[row], room)
+                if unit is not None:
+                    starting.append((row, unit))
+                    prefill_tokens += unit.size
             elif budget >= (len(stream.pending) + 1) * self.frame_ms:
                 if self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity:
                     endings[row] = "max_duration"  # the context window is full: nothing more can follow
@@ -267,9 +272,9 @@ class TalkerEngine(Engine):
 
     def _start_segment(
         self, stream: TalkerStream, budget: float, out: list[EngineOutput], room: int | None
-    ) -> torch.Tensor | None:
-        """Begin the next text unit when credit allows and its tokens fit in ``room`` (None: any size); returns the
-        embeddings to prefill ``[T, hidden]``."""
+    ) -> _PrefillUnit | None:
+        """Begin the next text unit when credit allows and its tokens fit in ``room`` (None: any size); returns
+        what to prefill."""
         while stream.pending_text and not stream.pending_text[0].strip():
             stream.pending_text.pop(0)  # a blank unit has nothing to say
         if not stream.pending_text:
@@ -287,14 +292,14 @@ class TalkerEngine(Engine):
             return None  # this step's prefill is full; the unit starts next step
         slot = self._acquire(stream)
         stream.pending_text.pop(0)
-        embeddings = self.frames.embed_text(tokens)
+        prefix = None
         if stream.has_context:
-            closing = self.frames.embed_frames(self.frames.end_of_audio())
-            embeddings = torch.cat((closing[None], embeddings))
+            prefix = self.frames.closing_embedding
         elif stream.context:
-            embeddings = torch.cat((self._context_embeddings(stream.context), embeddings))
+            prefix = self._context_embeddings(stream.context)
             stream.context = ()
-        if self.frames.cache.length(slot) + embeddings.shape[0] > self.frames.cache.capacity:
+        unit = _PrefillUnit(prefix, tokens)
+        if self.frames.cache.length(slot) + unit.size > self.frames.cache.capacity:
             self._finish(stream, "max_duration", out)
             return None
         cap = None
@@ -308,19 +313,22 @@ class TalkerEngine(Engine):
             stream.restart_ramp = False
         out.append(SegmentStarted(index=stream.segment.index, text=text))
         stream.has_context = True
-        return embeddings
+        return unit
 
     def _generate(
         self,
         batch: list[TalkerStream],
         advancing: list[int],
-        starting: list[tuple[int, torch.Tensor]],
+        starting: list[tuple[int, _PrefillUnit]],
         endings: dict[int, StopReason],
     ) -> None:
         """Prefill the starting rows, run the device step for all rows, and file each row's frame of audio."""
         prefill_hidden = None
         if starting:
-            prefill_hidden = self.frames.prefill([_slot(batch[row]) for row, _ in starting], [e for _, e in starting])
+            units = [unit for _, unit in starting]
+            prefill_slots = [_slot(batch[row]) for row, _ in starting]
+            embeddings = self._prefill_embeddings(units)
+            prefill_hidden = self.frames.prefill_flat(prefill_slots, [unit.size for unit in units], embeddings)
         rows = advancing + [row for row, _ in starting]
         streams = [batch[row] for row in rows]
         slots = [_slot(stream) for stream in streams]
@@ -339,6 +347,18 @@ class TalkerEngine(Engine):
         )
         self.frames.cache.commit(slots[: len(advancing)], [1] * len(advancing))
         self._file_frames(batch, rows, result, endings)
+
+    def _prefill_embeddings(self, units: Sequence[_PrefillUnit]) -> torch.Tensor:
+        """``[sum(size), hidden]``: every unit's prefix and text in order, the text of all units embedded at once."""
+        text = self.frames.embed_text([token for unit in units for token in unit.tokens])
+        pieces: list[torch.Tensor] = []
+        offset = 0
+        for unit in units:
+            if unit.prefix is not None:
+                pieces.append(unit.prefix.to(text.dtype))
+            pieces.append(text[offset : offset + len(unit.tokens)])
+            offset += len(unit.tokens)
+        return torch.cat(pieces)
 
     def _file_frames(
         self, batch: list[TalkerStream], rows: list[int], result: StepResult, endings: dict[int, StopReason]
@@ -399,6 +419,19 @@ class TalkerEngine(Engine):
                 self._finish(stream, "completed", out)
             else:
                 stream.restart_ramp = True
+
+
+@dataclass(frozen=True)
+class _PrefillUnit:
+    """What a starting text unit adds to its stream's context: ``prefix`` embeddings (the frame closing the
+    previous segment, or reference audio), then the unit's text tokens."""
+
+    prefix: torch.Tensor | None  # [P, hidden]
+    tokens: Sequence[int]
+
+    @property
+    def size(self) -> int:
+        return (0 if self.prefix is None else int(self.prefix.shape[0])) + len(self.tokens)
 
 
 def _talker_stream(stream: EngineStream) -> TalkerStream:

@@ -115,10 +115,10 @@ class FrameStep:
                 raise ValueError("CUDA graphs need a CUDA device")
             self.graphs = _StepGraphs(self._compute, buckets or default_buckets(max_batch))
 
-    def reset(self, slot: int) -> None:
-        """Clear the per-stream device state of ``slot`` (repetition windows) for a new stream."""
-        if self.window:
-            self.history[slot].fill_(-1)
+    def reset(self, *slots: int) -> None:
+        """Clear the per-stream device state of ``slots`` (repetition windows) for new streams."""
+        if self.window and slots:
+            self.history.index_fill_(0, torch.tensor(slots, device=self.device), -1)
 
     @torch.no_grad()
     def _compute(self, rows: int, decoding: int) -> None:

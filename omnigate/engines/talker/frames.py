@@ -67,6 +67,9 @@ class FrameModel:
         self._depth = _DepthPlan(self.depth, depth.rotary_emb, self.num_codebooks, max_batch, self.device, self.dtype)
         self._no_history = torch.full((1, self.num_codebooks, 0), -1, dtype=torch.int64, device=self.device)
         self.prefill_graphs: PrefillGraphs | None = None
+        with torch.no_grad():
+            # Every segment after a stream's first opens with this frame closing the previous one's audio.
+            self.closing_embedding = self.embed_frames(self.end_of_audio()[None])
 
     # ---- embeddings ---------------------------------------------------------------------------------------------
 
@@ -105,21 +108,24 @@ class FrameModel:
             dtype=self.dtype,
         )
 
-    @torch.no_grad()
     def prefill(self, slots: Sequence[int], embeddings: Sequence[torch.Tensor]) -> torch.Tensor:
         """Append ``embeddings[i]`` (``[T_i, hidden]``) to ``slots[i]``'s context in one forward over all their
         tokens; returns each slot's last hidden state after the final norm, ``[len(slots), hidden]``."""
-        counts = [int(e.shape[0]) for e in embeddings]
+        return self.prefill_flat(slots, [int(e.shape[0]) for e in embeddings], torch.cat(list(embeddings)))
+
+    @torch.no_grad()
+    def prefill_flat(self, slots: Sequence[int], counts: Sequence[int], embeddings: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefill` with the embeddings already concatenated: ``counts[i]`` rows of ``embeddings`` in order
+        belong to ``slots[i]``."""
         rows = self.cache.plan(slots, counts)
-        tokens = torch.cat(list(embeddings)).to(self.dtype)
+        tokens = embeddings.to(self.dtype)
         graphs = self.prefill_graphs
         if graphs is not None and graphs.fits(tokens.shape[0]):
             x = graphs.run(tokens, rows.slots, rows.positions)
         else:
             x = self._backbone(tokens, rows.slots, rows.positions)
         self.cache.commit(slots, counts)
-        last = torch.tensor(rows.last_rows(), device=self.device)
-        return self.backbone.norm(x.index_select(0, last))
+        return self.backbone.norm(x.index_select(0, rows.last))
 
     def extend(self, slot: int, embeddings: torch.Tensor) -> torch.Tensor:
         """Append ``[T, hidden]`` embeddings to ``slot``'s context; returns the last hidden state ``[1, hidden]``."""

@@ -24,16 +24,9 @@ class TokenRows:
 
     slots: torch.Tensor  # [R] int64
     positions: torch.Tensor  # [R] int64: cache position, also the rotary position
+    last: torch.Tensor  # [len(planned)] int64: index of each planned slot's last token among the rows
     counts: tuple[int, ...]  # tokens per planned slot, in order
     planned: tuple[int, ...]  # the slots, once each
-
-    def last_rows(self) -> list[int]:
-        """Index of each planned slot's last token among the rows."""
-        ends, total = [], 0
-        for count in self.counts:
-            total += count
-            ends.append(total - 1)
-        return ends
 
 
 class SlotKVCache:
@@ -77,15 +70,21 @@ class SlotKVCache:
         """Rows appending ``counts[i]`` tokens to ``slots[i]``. Raises :class:`ContextFull`."""
         slot_ids: list[int] = []
         positions: list[int] = []
+        last: list[int] = []
         for slot, count in zip(slots, counts, strict=True):
             start = self._lengths[slot]
             if start + count > self.capacity:
                 raise ContextFull(f"slot {slot} cannot take {count} more tokens (capacity {self.capacity})")
             slot_ids.extend([slot] * count)
             positions.extend(range(start, start + count))
+            last.append(len(slot_ids) - 1)
+        rows = len(slot_ids)
+        # One host-to-device copy for the three index vectors: each copy waits for the device's queue.
+        packed = torch.tensor(slot_ids + positions + last, device=self.device, dtype=torch.int64)
         return TokenRows(
-            slots=torch.tensor(slot_ids, device=self.device, dtype=torch.int64),
-            positions=torch.tensor(positions, device=self.device, dtype=torch.int64),
+            slots=packed[:rows],
+            positions=packed[rows : 2 * rows],
+            last=packed[2 * rows :],
             counts=tuple(counts),
             planned=tuple(slots),
         )
