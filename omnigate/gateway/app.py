@@ -30,7 +30,7 @@ from omnigate.gateway.speech_http import speech_endpoint
 from omnigate.gateway.speech_stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
-from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint
+from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint, video_calls_endpoint
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
 from omnigate.web import web_routes
 
@@ -133,6 +133,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         WebSocketRoute("/v1/duplex", duplex_endpoint),
         Route("/v1/realtime/client_secrets", client_secrets_endpoint, methods=["POST"]),
         Route("/v1/realtime/calls", realtime_calls_endpoint, methods=["POST"]),
+        Route("/v1/realtime/video/calls", video_calls_endpoint, methods=["POST"]),
         *web_routes(settings.web_token_url),
     ]
     client_secrets = ClientSecretStore(settings.max_client_secrets)

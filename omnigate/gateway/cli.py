@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--video-model",
         default=None,
         metavar="SPEC",
-        help="serve text-to-video beside the speech engine: a Wan 2.1 Diffusers directory, or preset:tiny / "
+        help="serve text-to-video beside the speech engine (WS /v1/realtime/video as fMP4, POST "
+        "/v1/realtime/video/calls as a WebRTC video track): a Wan 2.1 Diffusers directory, or preset:tiny / "
         "preset:wan-1.3b (random weights: noise, for tests and benchmarks); no video engine without it",
     )
     video.add_argument(

@@ -25,7 +25,7 @@ class _GatewayCollector(Collector):
         gw = self._gateway
         reg = gw.registry
         active = GaugeMetricFamily("omnigate_sessions_active", "Live sessions", labels=["transport"])
-        for transport in ("ws-speech", "http-speech", "webrtc", "realtime"):
+        for transport in ("ws-speech", "http-speech", "webrtc", "realtime", "video", "webrtc-video"):
             active.add_metric([transport], reg.active.get(transport, 0))
         yield active
         admitted = CounterMetricFamily("omnigate_sessions_admitted", "Sessions admitted", labels=["transport"])

@@ -1,10 +1,8 @@
 """``WS /v1/realtime/video``: a prompt in, generated video out as fragmented MP4 while it is being decoded.
 
-Client events: ``video.create`` {prompt, width, height, num_frames, fps, steps, seed, guidance_scale} (all but the
-prompt optional: the model's defaults), ``video.cancel``, ``session.close``. Server: ``video.start`` {mime, width,
-height, fps, num_frames, seed}, then binary messages (the fMP4 init segment, then one fragment per decoded frame
-group), then ``video.done`` {status, frames, bytes, stats}; ``error`` {code, message, param} for a bad message, after
-which the connection stays usable. One generation at a time per connection, several one after another.
+The events are those of :mod:`omnigate.gateway.video_protocol`; the video itself comes as binary messages between
+``video.start`` and ``video.done``: the fMP4 init segment, then one fragment per decoded frame group. One generation
+at a time per connection, several one after another.
 
 A reader task takes client events; a stream task per generation turns the engine's frame groups into fragments
 (encoded off the event loop) and returns the engine's frame credit only once a fragment is sent, so a client that
@@ -21,49 +19,24 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.codecs.video import FragmentedMp4Writer
-from omnigate.engines.base import EngineError
 from omnigate.engines.registry import load_video_engine
-from omnigate.engines.video.outputs import FrameGroup, VideoDone, decoded_before_first_consumed, first_time
-from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
+from omnigate.engines.video.outputs import FrameGroup, VideoDone
+from omnigate.gateway.errors import json_error
 from omnigate.gateway.settings import Settings
-from omnigate.gateway.speech_protocol import event_type_of
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.video_generation import handle_client_text, run_generation
+from omnigate.gateway.video_protocol import binary_refused
 from omnigate.sessions.registry import SessionLimitReached
 
 if TYPE_CHECKING:
     from omnigate.engines.video.engine import VideoEngine, VideoJob
+    from omnigate.engines.video.request import VideoRequest
 
 log = logging.getLogger(__name__)
 
 TRANSPORT = "video"
 # x264 speed preset: encoding a 480p frame costs 1-3 ms this way, nothing next to decoding it with the VAE.
 ENCODER_PRESET = "veryfast"
-
-
-class VideoCreate(msgspec.Struct, tag="video.create", forbid_unknown_fields=True, kw_only=True):
-    """Start a generation; fields left out take the model's defaults (a random seed)."""
-
-    prompt: str
-    model: str | None = None
-    width: int | None = None
-    height: int | None = None
-    num_frames: int | None = None
-    fps: int | None = None
-    steps: int | None = None
-    seed: int | None = None
-    guidance_scale: float | None = None
-
-
-class VideoCancel(msgspec.Struct, tag="video.cancel", forbid_unknown_fields=True):
-    """Stop the generation in progress (its ``video.done`` says ``cancelled``); ignored when there is none."""
-
-
-class SessionClose(msgspec.Struct, tag="session.close", forbid_unknown_fields=True):
-    """Cancel what runs and close the connection normally."""
-
-
-ClientEvent = VideoCreate | VideoCancel | SessionClose
-CLIENT_EVENT_TYPES = ("video.create", "video.cancel", "session.close")
 
 
 def _engine(ws: WebSocket) -> VideoEngine | None:
@@ -159,7 +132,7 @@ class VideoStreamConnection:
             except TimeoutError:
                 expired = asyncio.get_running_loop().time() >= self._session_deadline
                 reason = "max_duration" if expired else "idle_timeout"
-                await self._send_json(json_error(reason, f"the session was closed: {reason.replace('_', ' ')}"))
+                await self.send_event(json_error(reason, f"the session was closed: {reason.replace('_', ' ')}"))
                 self._close_code, self._close_reason = (1008 if expired else 4408), reason
                 return
             finally:
@@ -170,7 +143,7 @@ class VideoStreamConnection:
                 return
             text = message.get("text")
             if text is None:
-                await self._error("invalid_message", "binary frames are not accepted on this endpoint; send JSON text")
+                await self.send_event(binary_refused().event())
                 continue
             if not await self._on_text(text):
                 return
@@ -187,153 +160,36 @@ class VideoStreamConnection:
 
     async def _on_text(self, text: str) -> bool:
         """Handle one client event; False ends the session."""
-        size = len(text.encode("utf-8"))
-        if size > self.settings.ws_max_text_event_bytes:
-            limit = self.settings.ws_max_text_event_bytes
-            await self._error("message_too_large", f"event of {size} bytes exceeds the limit of {limit} bytes")
-            return True
-        try:
-            event: ClientEvent = msgspec.json.decode(text, type=ClientEvent)
-        except msgspec.ValidationError as exc:
-            kind = event_type_of(text)
-            if kind is None:
-                await self._error("invalid_event", "each message must be a JSON object with a string 'type' field")
-            elif kind not in CLIENT_EVENT_TYPES:
-                await self._error(
-                    "unknown_event", f"unknown event type {kind!r}; expected one of {list(CLIENT_EVENT_TYPES)}"
-                )
-            else:
-                message, param = describe_validation_error(exc)
-                await self._error("invalid_event", f"invalid {kind}: {message}", param)
-            return True
-        except UNDECODABLE:
-            await self._error("invalid_json", "message is not valid JSON")
-            return True
-        if isinstance(event, VideoCreate):
-            await self._create(event)
-        elif isinstance(event, VideoCancel):
-            if self.job is not None:
-                self.job.cancel()
-        else:
-            return False
-        return True
-
-    async def _create(self, event: VideoCreate) -> None:
-        if self.job is not None:
-            await self._error("busy", "a video is already being generated here; send video.cancel or await video.done")
-            return
-        info = self.engine.info
-        if event.model is not None and event.model not in (info.model, info.family):
-            await self._error("model_not_found", f"model {event.model!r} is not served", "model")
-            return
-        request = self.engine.resolve(
-            event.prompt,
-            width=event.width,
-            height=event.height,
-            num_frames=event.num_frames,
-            fps=event.fps,
-            steps=event.steps,
-            seed=event.seed,
-            guidance_scale=event.guidance_scale,
+        settings = self.settings
+        return await handle_client_text(
+            self, self.engine, text, max_bytes=settings.ws_max_text_event_bytes, retry_after_s=settings.retry_after_s
         )
-        try:
-            job = self.engine.submit(request, loop=asyncio.get_running_loop())
-        except EngineError as exc:
-            extra: dict[str, Any] = {"retry_after": self.settings.retry_after_s} if exc.code == "server_busy" else {}
-            await self._error(exc.code, exc.message, exc.param, **extra)
-            return
+
+    def start_generation(self, job: VideoJob) -> None:
+        """Serve ``job`` in a stream task of its own (the ``VideoSession`` part of this connection)."""
         self.job = job
         self._stream_task = asyncio.create_task(self._stream(job), name="video-stream")
 
-    # ---- one generation ---------------------------------------------------------------------------------------
+    def cancel_generation(self) -> None:
+        """Cancel the generation in progress, if any."""
+        if self.job is not None:
+            self.job.cancel()
 
     async def _stream(self, job: VideoJob) -> None:
-        request = job.request
-        frames_sent = 0
-        writer: FragmentedMp4Writer | None = None
         try:
-            writer = await asyncio.to_thread(
-                FragmentedMp4Writer, request.width, request.height, request.fps, preset=ENCODER_PRESET
-            )
-            started = {
-                "type": "video.start",
-                "mime": writer.mime,
-                "width": request.width,
-                "height": request.height,
-                "fps": request.fps,
-                "num_frames": request.num_frames,
-                "seed": request.seed,
-            }
-            if not (await self._send_json(started) and await self._send_bytes(writer.begin())):
-                return
-            while True:
-                output = await job.next_output()
-                if isinstance(output, FrameGroup):
-                    fragment = await asyncio.to_thread(writer.push, output.frames)
-                    if not await self._send_bytes(fragment):
-                        return
-                    frames_sent += output.count
-                    job.consumed(output.count)
-                    continue
-                tail = await asyncio.to_thread(writer.finish)
-                if tail and not await self._send_bytes(tail):
-                    return
-                await self._send_json(self._done_event(output, frames_sent, writer.bytes_out))
-                return
-        except Exception as exc:
-            log.exception("video streaming failed")
-            await self._send_json(
-                {
-                    "type": "video.done",
-                    "status": "error",
-                    "frames": frames_sent,
-                    "bytes": 0 if writer is None else writer.bytes_out,
-                    "code": "stream_error",
-                    "error": f"{type(exc).__name__}: {exc}",
-                }
-            )
+            await run_generation(job, Mp4Outlet(self), self.send_event)
         finally:
-            job.cancel()
             self.job = None
             self._arm_timeout()
 
-    def _done_event(self, done: VideoDone, frames: int, total_bytes: int) -> dict[str, Any]:
-        timeline = done.timeline
-        admitted = first_time(timeline, "admitted") or 0.0
-        stats: dict[str, Any] = {
-            "latent_frames": done.latent_frames,
-            "decoded_before_first_send": decoded_before_first_consumed(timeline),
-        }
-        first_sent = first_time(timeline, "consumed")
-        if first_sent is not None:
-            stats["first_frame_sent_ms"] = round((first_sent - admitted) * 1000.0, 1)
-        ended = first_time(timeline, "done")
-        if ended is not None:
-            stats["total_ms"] = round((ended - admitted) * 1000.0, 1)
-        body: dict[str, Any] = {
-            "type": "video.done",
-            "status": done.status,
-            "frames": frames,
-            "bytes": total_bytes,
-            "stats": stats,
-        }
-        if done.code is not None:
-            body["code"] = done.code
-        if done.error is not None:
-            body["error"] = done.error
-        return body
-
     # ---- sending ----------------------------------------------------------------------------------------------
 
-    async def _error(self, code: str, message: str, param: str | None = None, **extra: Any) -> None:
-        if param is not None:
-            extra["param"] = param
-        await self._send_json(json_error(code, message, **extra))
-
-    async def _send_json(self, body: dict[str, Any]) -> bool:
+    async def send_event(self, body: dict[str, Any]) -> bool:
+        """Send one JSON event; False once the client is gone."""
         return await self._send({"type": "websocket.send", "text": msgspec.json.encode(body).decode()})
 
-    async def _send_bytes(self, data: bytes) -> bool:
+    async def send_bytes(self, data: bytes) -> bool:
+        """Send one binary message; False once the client is gone."""
         return await self._send({"type": "websocket.send", "bytes": data}) if data else True
 
     async def _send(self, message: dict[str, Any]) -> bool:
@@ -367,3 +223,44 @@ class VideoStreamConnection:
                 await self.ws.close(self._close_code, self._close_reason)
         except (TimeoutError, WebSocketDisconnect, RuntimeError, OSError):
             pass
+
+
+class Mp4Outlet:
+    """A generation's frames as fragmented MP4 on the connection: the init segment, then a fragment per group."""
+
+    def __init__(self, connection: VideoStreamConnection) -> None:
+        self._connection = connection
+        self._writer: FragmentedMp4Writer | None = None
+        self._frames = 0
+
+    @property
+    def frames_out(self) -> int:
+        return self._frames
+
+    @property
+    def bytes_out(self) -> int:
+        return 0 if self._writer is None else self._writer.bytes_out
+
+    async def open(self, request: VideoRequest) -> str:
+        self._writer = await asyncio.to_thread(
+            FragmentedMp4Writer, request.width, request.height, request.fps, preset=ENCODER_PRESET
+        )
+        return self._writer.mime
+
+    async def begin(self) -> bool:
+        assert self._writer is not None
+        return await self._connection.send_bytes(self._writer.begin())
+
+    async def deliver(self, group: FrameGroup, job: VideoJob) -> bool:
+        assert self._writer is not None
+        fragment = await asyncio.to_thread(self._writer.push, group.frames)
+        if not await self._connection.send_bytes(fragment):
+            return False
+        self._frames += group.count
+        job.consumed(group.count)
+        return True
+
+    async def finish(self, done: VideoDone) -> bool:
+        assert self._writer is not None
+        tail = await asyncio.to_thread(self._writer.finish)
+        return not tail or await self._connection.send_bytes(tail)

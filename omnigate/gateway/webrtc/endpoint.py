@@ -1,7 +1,9 @@
 """``POST /v1/realtime/calls``: an SDP offer in (``application/sdp``), the SDP answer out, as OpenAI's WebRTC flow.
+``POST /v1/realtime/video/calls``: the same for generated video (a video track, the ``video`` data channel).
 
-Each call is admitted through the session registry like any other session (transport ``webrtc``), answered with
-all host candidates in the SDP (aiortc does not trickle), and then served by its own task until it ends.
+Each call is admitted through the session registry like any other session (transport ``webrtc``, or
+``webrtc-video``), answered with all host candidates in the SDP (aiortc does not trickle), and then served by its
+own task until it ends.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiortc.sdp import SessionDescription
 from starlette.requests import Request
@@ -21,11 +24,17 @@ from omnigate.gateway.state import Gateway
 from omnigate.gateway.webrtc.call import TRANSPORT, WebRtcCall
 from omnigate.gateway.webrtc.ice import configure_ice
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
-from omnigate.sessions.registry import SessionLimitReached
+from omnigate.gateway.webrtc.video_call import TRANSPORT as VIDEO_TRANSPORT
+from omnigate.gateway.webrtc.video_call import VideoCall
+from omnigate.sessions.registry import SessionLease, SessionLimitReached
+
+if TYPE_CHECKING:
+    from omnigate.engines.video.engine import VideoEngine
 
 log = logging.getLogger(__name__)
 
 CALLS_PATH = "/v1/realtime/calls"
+VIDEO_CALLS_PATH = "/v1/realtime/video/calls"
 SDP_MEDIA_TYPE = "application/sdp"
 
 
@@ -35,7 +44,7 @@ class WebRtcCalls:
     def __init__(self, settings: Settings, telemetry: WebRtcTelemetry) -> None:
         self.settings = settings
         self.telemetry = telemetry
-        self.calls: dict[str, WebRtcCall] = {}
+        self.calls: dict[str, WebRtcCall | VideoCall] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._restore_ice: Callable[[], None] | None = None
 
@@ -43,7 +52,7 @@ class WebRtcCalls:
         """Apply the process-wide ICE options (host candidate addresses, UDP port range) when they are set."""
         self._restore_ice = configure_ice(self.settings.webrtc_host_addresses, self.settings.webrtc_udp_ports)
 
-    def start(self, call: WebRtcCall) -> None:
+    def start(self, call: WebRtcCall | VideoCall) -> None:
         self.calls[call.call_id] = call
         task = asyncio.create_task(call.run(), name=f"webrtc-call-{call.call_id}")
         self._tasks.add(task)
@@ -82,17 +91,46 @@ async def realtime_calls_endpoint(request: Request) -> Response:
             raise HttpError(
                 503, "the engine is not loaded yet", code="not_ready", retry_after_s=gateway.settings.retry_after_s
             )
-        try:
-            lease = gateway.registry.acquire(TRANSPORT)
-        except SessionLimitReached as exc:
-            code = "shutting_down" if exc.draining else "server_busy"
-            raise HttpError(503, str(exc), code=code, retry_after_s=exc.retry_after_s) from None
+        lease = _admit(gateway, TRANSPORT)
     except HttpError as exc:
         return exc.response()
 
     call_id = "rtc_" + secrets.token_hex(12)
     realtime = getattr(request.app.state, "realtime", None)
     call = WebRtcCall(call_id, gateway, lease, calls.telemetry, realtime, request.query_params.get("model"))
+    return await _answer(call, offer, calls, CALLS_PATH)
+
+
+async def video_calls_endpoint(request: Request) -> Response:
+    """``POST /v1/realtime/video/calls``: a call that plays generated video (503 ``video_unavailable`` without a
+    video model)."""
+    gateway: Gateway = request.app.state.gateway
+    calls: WebRtcCalls = request.app.state.webrtc
+    engine: VideoEngine | None = getattr(request.app.state, "video_engine", None)
+    try:
+        offer = await _read_offer(request, gateway.settings.webrtc_max_offer_bytes, "video")
+        if engine is None:
+            raise HttpError(
+                503, "this gateway serves no video model (start it with --video-model)", code="video_unavailable"
+            )
+        lease = _admit(gateway, VIDEO_TRANSPORT)
+    except HttpError as exc:
+        return exc.response()
+
+    call = VideoCall("rtc_" + secrets.token_hex(12), gateway, lease, calls.telemetry, engine)
+    return await _answer(call, offer, calls, VIDEO_CALLS_PATH)
+
+
+def _admit(gateway: Gateway, transport: str) -> SessionLease:
+    try:
+        return gateway.registry.acquire(transport)
+    except SessionLimitReached as exc:
+        code = "shutting_down" if exc.draining else "server_busy"
+        raise HttpError(503, str(exc), code=code, retry_after_s=exc.retry_after_s) from None
+
+
+async def _answer(call: WebRtcCall | VideoCall, offer: str, calls: WebRtcCalls, path: str) -> Response:
+    """Answer the offer and start serving the call (201), or close it and refuse the offer (400)."""
     try:
         answer = await call.answer(offer)
     except Exception as exc:
@@ -104,12 +142,12 @@ async def realtime_calls_endpoint(request: Request) -> Response:
         answer,
         status_code=201,
         media_type=SDP_MEDIA_TYPE,
-        headers={"Location": f"{CALLS_PATH}/{call_id}"},
+        headers={"Location": f"{path}/{call.call_id}"},
     )
 
 
-async def _read_offer(request: Request, limit: int) -> str:
-    """The offer SDP, checked for the one thing every call needs: an audio section we may send on."""
+async def _read_offer(request: Request, limit: int, kind: str = "audio") -> str:
+    """The offer SDP, checked for the one thing every call needs: a ``kind`` section we may send on."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != SDP_MEDIA_TYPE:
         raise HttpError(415, f"send the SDP offer as {SDP_MEDIA_TYPE}", code="unsupported_media_type")
@@ -127,9 +165,13 @@ async def _read_offer(request: Request, limit: int) -> str:
     # aiortc's parser signals some malformed lines (a media line without a numeric port) with AssertionError.
     except (UnicodeDecodeError, ValueError, IndexError, KeyError, AssertionError) as exc:
         raise HttpError(400, f"the body is not an SDP offer: {exc}", code="invalid_offer") from None
-    audio = [m for m in parsed.media if m.kind == "audio"]
-    if not audio:
-        raise HttpError(400, "the offer has no audio section; add an audio transceiver", code="invalid_offer")
-    if not any(m.direction in (None, "sendrecv", "recvonly") for m in audio):
-        raise HttpError(400, "the offer's audio section does not receive (sendonly or inactive)", code="invalid_offer")
+    sections = [m for m in parsed.media if m.kind == kind]
+    if not sections:
+        raise HttpError(
+            400, f"the offer has no {kind} section; add a transceiver of kind {kind!r}", code="invalid_offer"
+        )
+    if not any(m.direction in (None, "sendrecv", "recvonly") for m in sections):
+        raise HttpError(
+            400, f"the offer's {kind} section does not receive (sendonly or inactive)", code="invalid_offer"
+        )
     return text

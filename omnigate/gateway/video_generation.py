@@ -1,0 +1,153 @@
+"""One video generation from ``video.create`` to ``video.done``, whatever carries its frames.
+
+:func:`handle_client_text` answers one client event of a session (one generation at a time);
+:func:`submit_generation` checks a ``video.create`` and takes an engine slot; :func:`run_generation` then sends
+``video.start``, hands each decoded frame group to the transport's :class:`FrameOutlet` (fMP4 fragments on a
+WebSocket, frames on a WebRTC track), and ends with ``video.done``. The outlet returns the engine's frame credit
+once its frames are delivered, so a consumer that stops taking frames stops its own decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omnigate.engines.base import EngineError
+from omnigate.engines.video.outputs import FrameGroup, VideoDone
+from omnigate.gateway.video_protocol import (
+    ProtocolError,
+    SessionClose,
+    VideoCancel,
+    VideoCreate,
+    decode_client_event,
+    done_event,
+    failed_event,
+    start_event,
+)
+
+if TYPE_CHECKING:
+    from omnigate.engines.video.engine import VideoEngine, VideoJob
+    from omnigate.engines.video.request import VideoRequest
+
+log = logging.getLogger(__name__)
+
+SendEvent = Callable[[dict[str, Any]], Awaitable[bool]]
+
+
+class FrameOutlet(Protocol):
+    """Where one generation's frames go. Each method returns False once the client is gone."""
+
+    @property
+    def frames_out(self) -> int:
+        """Frames delivered so far (what ``video.done`` reports)."""
+        ...
+
+    @property
+    def bytes_out(self) -> int | None:
+        """Bytes sent so far, or None where the transport does not count them."""
+        ...
+
+    async def open(self, request: VideoRequest) -> str:
+        """Get ready for ``request``; return the ``mime`` of ``video.start``."""
+        ...
+
+    async def begin(self) -> bool:
+        """Right after ``video.start`` (an fMP4 init segment, say)."""
+        ...
+
+    async def deliver(self, group: FrameGroup, job: VideoJob) -> bool:
+        """Deliver ``group`` and return its credit to ``job`` (:meth:`VideoJob.consumed`) once it is delivered."""
+        ...
+
+    async def finish(self, done: VideoDone) -> bool:
+        """After the last frame group, before ``video.done``."""
+        ...
+
+
+class VideoSession(Protocol):
+    """A client's session (a WebSocket, a WebRTC call): at most one generation at a time."""
+
+    @property
+    def job(self) -> VideoJob | None:
+        """The generation in progress."""
+        ...
+
+    def start_generation(self, job: VideoJob) -> None:
+        """Serve the admitted ``job`` (with :func:`run_generation`, in a task of its own)."""
+        ...
+
+    def cancel_generation(self) -> None:
+        """Stop the generation in progress, if any (its ``video.done`` says ``cancelled``)."""
+        ...
+
+    async def send_event(self, body: dict[str, Any]) -> bool:
+        """Send one JSON event; False once the client is gone."""
+        ...
+
+
+async def handle_client_text(
+    session: VideoSession, engine: VideoEngine, text: str, *, max_bytes: int, retry_after_s: float
+) -> bool:
+    """Answer one client event: a bad one with a typed ``error`` (the session goes on); False on ``session.close``."""
+    try:
+        event = decode_client_event(text, max_bytes)
+        if isinstance(event, SessionClose):
+            return False
+        if isinstance(event, VideoCancel):
+            session.cancel_generation()
+            return True
+        if session.job is not None:
+            raise ProtocolError(
+                "busy", "a video is already being generated here; send video.cancel or await video.done"
+            )
+        session.start_generation(submit_generation(engine, event, retry_after_s))
+    except ProtocolError as exc:
+        await session.send_event(exc.event())
+    return True
+
+
+def submit_generation(engine: VideoEngine, event: VideoCreate, retry_after_s: float) -> VideoJob:
+    """Check ``event`` against the engine and take a slot (nothing runs if it fails). Raises :class:`ProtocolError`."""
+    info = engine.info
+    if event.model is not None and event.model not in (info.model, info.family):
+        raise ProtocolError("model_not_found", f"model {event.model!r} is not served", "model")
+    request = engine.resolve(
+        event.prompt,
+        width=event.width,
+        height=event.height,
+        num_frames=event.num_frames,
+        fps=event.fps,
+        steps=event.steps,
+        seed=event.seed,
+        guidance_scale=event.guidance_scale,
+    )
+    try:
+        return engine.submit(request, loop=asyncio.get_running_loop())
+    except EngineError as exc:
+        extra: dict[str, Any] = {"retry_after": retry_after_s} if exc.code == "server_busy" else {}
+        raise ProtocolError(exc.code, exc.message, exc.param, **extra) from None
+
+
+async def run_generation(job: VideoJob, outlet: FrameOutlet, send_event: SendEvent) -> None:
+    """Serve ``job`` to its end through ``outlet`` and ``send_event``; the job is cancelled (its slot freed) on the way
+    out, also when the client is gone or the task is cancelled."""
+    try:
+        mime = await outlet.open(job.request)
+        if not (await send_event(start_event(job.request, mime)) and await outlet.begin()):
+            return
+        while True:
+            output = await job.next_output()
+            if isinstance(output, FrameGroup):
+                if not await outlet.deliver(output, job):
+                    return
+                continue
+            if await outlet.finish(output):
+                await send_event(done_event(output, outlet.frames_out, outlet.bytes_out))
+            return
+    except Exception as exc:
+        log.exception("video streaming failed")
+        await send_event(failed_event(exc, outlet.frames_out, outlet.bytes_out))
+    finally:
+        job.cancel()
