@@ -200,6 +200,7 @@ def _step_rows(engine: Any, slots: list[int]) -> Any:
         seeds=list(range(len(slots))),
         counters=[0] * len(slots),
         rings=[0] * len(slots),
+        fresh=[0] * len(slots),
         decoding=len(slots),
     )
 

@@ -136,6 +136,20 @@ def test_reset_slot_starts_a_new_stream() -> None:
     torch.testing.assert_close(streamed, full_decode(mimi, new), rtol=0, atol=1e-10)
 
 
+def test_a_fresh_row_starts_a_new_stream_without_a_reset_while_others_continue() -> None:
+    mimi = tiny_mimi(sliding_window=5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(6)
+    old = torch.randint(0, 2048, (2, CODEBOOKS, 6), generator=gen)
+    new = torch.randint(0, 2048, (1, CODEBOOKS, 4), generator=gen)
+    decoder = MimiStreamDecoder(mimi, max_slots=2)
+    decoder.decode(old[..., :5], [0, 1])
+    slots = torch.tensor([0, 1])
+    first = decoder.decode_frames(torch.cat((new[..., :1], old[1:, :, 5:])), slots, fresh=torch.tensor([1, 0]))
+    rest = decoder.decode(new[..., 1:], [0])
+    torch.testing.assert_close(torch.cat((first[:1], rest), dim=-1), full_decode(mimi, new), rtol=0, atol=1e-10)
+    torch.testing.assert_close(first[1:], full_decode(mimi, old[1:])[..., 5 * first.shape[-1] :], rtol=0, atol=1e-10)
+
+
 def test_decode_refuses_repeated_slots() -> None:
     decoder = MimiStreamDecoder(tiny_mimi(sliding_window=5, dtype=torch.float32), max_slots=2)
     with pytest.raises(ValueError, match="distinct slot"):

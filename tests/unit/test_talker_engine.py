@@ -22,6 +22,7 @@ from omnigate.engines.pool import EnginePool
 from omnigate.engines.registry import load_engine
 from omnigate.engines.talker.context import ContextSegment
 from omnigate.engines.talker.engine import TalkerEngine
+from omnigate.engines.talker.frames import CLOSING
 from omnigate.engines.talker.model import build_preset
 from omnigate.engines.talker.options import TalkerOptions
 from omnigate.engines.talker.stream import TalkerStream
@@ -362,19 +363,17 @@ def test_cuda_graph_steps_sound_the_same_as_eager_steps_on_the_gpu() -> None:
 def test_prefill_graphs_match_the_eager_prefill_and_leave_other_slots_alone() -> None:
     gpu = make_engine(device="cuda", dtype="float32", cuda_graphs=False, max_sessions=4, max_batch=4)
     frames = gpu.frames
-    hidden = frames.backbone.heads * frames.backbone.head_dim
-    generator = torch.Generator(device="cuda").manual_seed(5)
-    history = torch.randn(7, hidden, generator=generator, device="cuda")
-    units = [torch.randn(n, hidden, generator=generator, device="cuda") for n in (5, 11)]
+    history = list(range(3, 10))
+    units = [[5, 6, 7, 8, 9], [CLOSING, *range(20, 30)]]
 
     def prefill_twice() -> tuple[torch.Tensor, torch.Tensor]:
         for slot in range(4):
             frames.cache.reset(slot)
         frames.cache.keys.zero_()
         frames.cache.values.zero_()
-        frames.prefill([2], [history])  # slot 2 has context; slots 0 and 1 start empty
+        frames.prefill_ids([2], [history])  # slot 2 has context; slot 0 starts empty
         untouched = frames.cache.keys[:, 3].clone()
-        out = frames.prefill([0, 2], units)
+        out = frames.prefill_ids([0, 2], units)
         assert torch.equal(frames.cache.keys[:, 3], untouched)
         return out, frames.cache.keys[:, 2, : 7 + 11].clone()
 
@@ -385,3 +384,15 @@ def test_prefill_graphs_match_the_eager_prefill_and_leave_other_slots_alone() ->
     torch.testing.assert_close(graph_out, eager_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(graph_keys, eager_keys, rtol=1e-4, atol=1e-4)
     assert frames.cache.length(0) == 5 and frames.cache.length(2) == 7 + 11
+
+
+def test_prefill_from_ids_equals_the_prefill_of_their_embeddings() -> None:
+    frames = make_engine().frames
+    ids = [7, 8, 9, 10]
+    embedded = torch.cat((frames.closing_embedding, frames.embed_text(ids)))
+    for slot in (0, 1):
+        frames.cache.reset(slot)
+    from_ids = frames.prefill_ids([0], [[CLOSING, *ids]])
+    from_embeddings = frames.prefill([1], [embedded])
+    torch.testing.assert_close(from_ids, from_embeddings, rtol=0, atol=0)
+    assert frames.cache.length(0) == frames.cache.length(1) == 5

@@ -48,9 +48,12 @@ class _ConvState:
         self.context = int(layer.padding_total)
         self.history = torch.zeros(slots, self.conv.in_channels, self.context, device=device, dtype=dtype)
 
-    def __call__(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         if self.context:
-            x = torch.cat((self.history.index_select(0, index), x), dim=-1)
+            history = self.history.index_select(0, index)
+            if keep is not None:
+                history = history * keep
+            x = torch.cat((history, x), dim=-1)
             self.history.index_copy_(0, index, x[..., -self.context :])
         out: torch.Tensor = self.conv(x)
         return out
@@ -71,10 +74,11 @@ class _TransposedConvState:
         self.overlap = conv.kernel_size[0] - self.stride
         self.tail = torch.zeros(slots, conv.out_channels, self.overlap, device=device, dtype=dtype)
 
-    def __call__(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         # Without bias: the bias belongs once to each output sample, not to each overlapping contribution.
         y = conv_transpose1d(x, self.conv.weight, self.stride, self.conv.groups)
-        y[..., : self.overlap] += self.tail.index_select(0, index)
+        tail = self.tail.index_select(0, index)
+        y[..., : self.overlap] += tail if keep is None else tail * keep
         ready = x.shape[-1] * self.stride
         self.tail.index_copy_(0, index, y[..., ready:])
         out = y[..., :ready]
@@ -157,10 +161,13 @@ class _WindowedTransformer(SlotKvLayers):
         new_ok = (t[None, :] <= t[:, None]) & (t[:, None] < t[None, :] + self.window)
         return torch.cat((past_ok, new_ok.expand(filled.shape[0], steps, steps)), dim=-1)
 
-    def __call__(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         steps = x.shape[1]
         start = self.positions.index_select(0, index)
         filled = self.filled.index_select(0, index)
+        if keep is not None:
+            kept = keep.reshape(-1).to(start.dtype)
+            start, filled = start * kept, filled * kept
         positions = start[:, None] + torch.arange(steps, device=x.device)[None, :]
         cos, sin = self.rotary(x, positions)
         allowed = self._allowed(filled, steps)
@@ -279,27 +286,32 @@ class MimiStreamDecoder:
         return self.decode_frames(codes.to(self.device), torch.tensor(slots, device=self.device))
 
     @torch.no_grad()
-    def decode_frames(self, codes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def decode_frames(
+        self, codes: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """:meth:`decode` with the slots as a device tensor and no checks or host reads (CUDA-graph safe). Rows may
-        repeat :attr:`scratch`, whose state is garbage by design."""
+        repeat :attr:`scratch`, whose state is garbage by design. Rows where ``fresh`` (``[B]``) is true start a new
+        stream, as after :meth:`reset`: inside a captured step this costs a multiply per state instead of a host
+        call per slot."""
+        keep = None if fresh is None else (fresh == 0).to(self.dtype)[:, None, None]
         x = self._quantizer.decode(codes).to(self.dtype)
         if self._upsample is not None:
-            x = self._upsample(x, index)
-        x = self._transformer(x.transpose(1, 2), index).transpose(1, 2)
+            x = self._upsample(x, index, keep)
+        x = self._transformer(x.transpose(1, 2), index, keep).transpose(1, 2)
         for layer in self._seanet:
-            x = self._run(layer, x, index)
+            x = self._run(layer, x, index, keep)
         return x[:, 0]
 
-    def _run(self, layer: Any, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _run(self, layer: Any, x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         if isinstance(layer, MimiConv1d):
-            return self._convs[layer](x, index)
+            return self._convs[layer](x, index, keep)
         if isinstance(layer, MimiConvTranspose1d):
-            return self._transposed[layer](x, index)
+            return self._transposed[layer](x, index, keep)
         if isinstance(layer, MimiResnetBlock):
             h = x
             for inner in layer.block:
-                h = self._run(inner, h, index)
-            residual = self._run(layer.shortcut, x, index)
+                h = self._run(inner, h, index, keep)
+            residual = self._run(layer.shortcut, x, index, keep)
             return residual + h
         out: torch.Tensor = layer(x)
         return out

@@ -46,7 +46,7 @@ from omnigate.engines.base import (
 from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
 from omnigate.engines.talker.context import ContextSegment, validate_context
 from omnigate.engines.talker.frame_step import FrameStep, StepResult, StepRows
-from omnigate.engines.talker.frames import FrameModel
+from omnigate.engines.talker.frames import CLOSING, FrameModel
 from omnigate.engines.talker.model import TalkerModel, clear_codebook_cache, load_talker_model
 from omnigate.engines.talker.options import TORCH_DTYPES, TalkerOptions
 from omnigate.engines.talker.sampling import TokenSampler
@@ -108,7 +108,6 @@ class TalkerEngine(Engine):
             ms_per_char = PRESET_MS_PER_CHAR if model.random_weights else 0.0
         self.segment_ms_per_char = ms_per_char
         self._slot_lock = threading.Lock()
-        self._fresh_slots: list[int] = []
         self._free_slots = list(range(options.max_sessions - 1, -1, -1))
         self._opened = itertools.count()
         voices = tuple(VoiceInfo(id=str(i), name=f"Speaker {i}") for i in range(options.speakers))
@@ -215,8 +214,8 @@ class TalkerEngine(Engine):
                 if not self._free_slots:
                     raise EngineError("no_slot", "every talker slot is taken")
                 stream.slot = self._free_slots.pop()
+            # The codec and sampling state of the slot start clean inside the stream's first device step.
             self.frames.cache.reset(stream.slot)
-            self._fresh_slots.append(stream.slot)  # device state is cleared for all new slots at once
         return stream.slot
 
     def _finish(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
@@ -232,10 +231,6 @@ class TalkerEngine(Engine):
         endings: dict[int, StopReason] = {}
         with torch.no_grad():
             advancing, starting = self._plan(batch, budget_ms, outputs, endings)
-            if self._fresh_slots:
-                self.codec.reset(*self._fresh_slots)
-                self.device_step.reset(*self._fresh_slots)
-                self._fresh_slots.clear()
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
             self._emit_audio(batch, budget_ms, outputs, endings)
@@ -292,13 +287,13 @@ class TalkerEngine(Engine):
             return None  # this step's prefill is full; the unit starts next step
         slot = self._acquire(stream)
         stream.pending_text.pop(0)
-        prefix = None
+        context = None
         if stream.has_context:
-            prefix = self.frames.closing_embedding
+            tokens = [CLOSING, *tokens]
         elif stream.context:
-            prefix = self._context_embeddings(stream.context)
+            context = self._context_embeddings(stream.context)
             stream.context = ()
-        unit = _PrefillUnit(prefix, tokens)
+        unit = _PrefillUnit(context, tokens)
         if self.frames.cache.length(slot) + unit.size > self.frames.cache.capacity:
             self._finish(stream, "max_duration", out)
             return None
@@ -327,8 +322,11 @@ class TalkerEngine(Engine):
         if starting:
             units = [unit for _, unit in starting]
             prefill_slots = [_slot(batch[row]) for row, _ in starting]
-            embeddings = self._prefill_embeddings(units)
-            prefill_hidden = self.frames.prefill_flat(prefill_slots, [unit.size for unit in units], embeddings)
+            if any(unit.context is not None for unit in units):
+                embeddings = self._prefill_embeddings(units)
+                prefill_hidden = self.frames.prefill_flat(prefill_slots, [unit.size for unit in units], embeddings)
+            else:
+                prefill_hidden = self.frames.prefill_ids(prefill_slots, [unit.tokens for unit in units])
         rows = advancing + [row for row, _ in starting]
         streams = [batch[row] for row in rows]
         slots = [_slot(stream) for stream in streams]
@@ -341,6 +339,7 @@ class TalkerEngine(Engine):
                 seeds=[stream.seed for stream in streams],
                 counters=[stream.draws * codebooks for stream in streams],
                 rings=[stream.draws % window if window else 0 for stream in streams],
+                fresh=[int(stream.audio_frames == 0) for stream in streams],
                 decoding=len(advancing),
             ),
             prefill_hidden,
@@ -349,13 +348,15 @@ class TalkerEngine(Engine):
         self._file_frames(batch, rows, result, endings)
 
     def _prefill_embeddings(self, units: Sequence[_PrefillUnit]) -> torch.Tensor:
-        """``[sum(size), hidden]``: every unit's prefix and text in order, the text of all units embedded at once."""
-        text = self.frames.embed_text([token for unit in units for token in unit.tokens])
+        """``[sum(size), hidden]``: every unit's reference audio and tokens in order (the tokens of all units
+        embedded at once)."""
+        ids = torch.tensor([token for unit in units for token in unit.tokens], device=self.frames.device)
+        text = self.frames.embed_ids(ids)
         pieces: list[torch.Tensor] = []
         offset = 0
         for unit in units:
-            if unit.prefix is not None:
-                pieces.append(unit.prefix.to(text.dtype))
+            if unit.context is not None:
+                pieces.append(unit.context.to(text.dtype))
             pieces.append(text[offset : offset + len(unit.tokens)])
             offset += len(unit.tokens)
         return torch.cat(pieces)
@@ -423,15 +424,15 @@ class TalkerEngine(Engine):
 
 @dataclass(frozen=True)
 class _PrefillUnit:
-    """What a starting text unit adds to its stream's context: ``prefix`` embeddings (the frame closing the
-    previous segment, or reference audio), then the unit's text tokens."""
+    """What a starting text unit adds to its stream's context: reference audio embeddings (the first unit of a
+    stream given some), then its tokens (led by :data:`CLOSING` after an earlier segment)."""
 
-    prefix: torch.Tensor | None  # [P, hidden]
+    context: torch.Tensor | None  # [P, hidden]
     tokens: Sequence[int]
 
     @property
     def size(self) -> int:
-        return (0 if self.prefix is None else int(self.prefix.shape[0])) + len(self.tokens)
+        return (0 if self.context is None else int(self.context.shape[0])) + len(self.tokens)
 
 
 def _talker_stream(stream: EngineStream) -> TalkerStream:

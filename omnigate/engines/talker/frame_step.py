@@ -26,8 +26,8 @@ from omnigate.kernels.pcm import PACK_EXTRA, pack_pcm, unpack_rms
 from omnigate.kernels.sampling import SamplingRows
 
 # Rows of the input table (one column per batch row).
-SLOT, POSITION, FRAME_SLOT, CODEC_SLOT, SEED, COUNTER, RING, PREFILL = range(8)
-INPUT_ROWS = 8
+SLOT, POSITION, FRAME_SLOT, CODEC_SLOT, SEED, COUNTER, RING, PREFILL, FRESH = range(9)
+INPUT_ROWS = 9
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -50,6 +50,7 @@ class StepRows:
     seeds: list[int]
     counters: list[int]
     rings: list[int]
+    fresh: list[int]  # 1 where the stream has decoded no audio yet: its codec state starts clean
     decoding: int  # the first ``decoding`` rows decode; the rest were prefilled
 
 
@@ -89,7 +90,7 @@ class FrameStep:
         slots = self.scratch + 1
         self.inputs = torch.zeros(INPUT_ROWS, max_batch, dtype=torch.int64, device=device)
         self._host_inputs = torch.zeros(INPUT_ROWS, max_batch, dtype=torch.int64, pin_memory=cuda)
-        self._idle_row = np.array([self.scratch, 0, self.scratch, self.scratch, 0, 0, 0, 0], dtype=np.int64)
+        self._idle_row = np.array([self.scratch, 0, self.scratch, self.scratch, 0, 0, 0, 0, 0], dtype=np.int64)
         self._host_inputs.numpy()[:] = self._idle_row[:, None]
         self.inputs.copy_(self._host_inputs)
         hidden = frames.backbone.heads * frames.backbone.head_dim
@@ -115,11 +116,6 @@ class FrameStep:
                 raise ValueError("CUDA graphs need a CUDA device")
             self.graphs = _StepGraphs(self._compute, buckets or default_buckets(max_batch))
 
-    def reset(self, *slots: int) -> None:
-        """Clear the per-stream device state of ``slots`` (repetition windows) for new streams."""
-        if self.window and slots:
-            self.history.index_fill_(0, torch.tensor(slots, device=self.device), -1)
-
     @torch.no_grad()
     def _compute(self, rows: int, decoding: int) -> None:
         """The step over rows ``[0, rows)``; with ``decoding == rows`` every row runs the backbone and prefilled rows
@@ -135,12 +131,17 @@ class FrameStep:
                 hidden = torch.where(inputs[PREFILL, :, None].bool(), hidden, decoded)
             else:
                 hidden = torch.cat((decoded, self.prefill_hidden[decoding:rows]))
+        if self.window:
+            # A stream's first draw (counter 0) starts with an empty repetition window.
+            frame_slots = inputs[FRAME_SLOT]
+            first = (inputs[COUNTER] == 0)[:, None, None]
+            self.history.index_copy_(0, frame_slots, torch.where(first, -1, self.history.index_select(0, frame_slots)))
         frame = self.frames.generate(hidden, self._sampling.head(rows), self.history)
         self.last_frames[inputs[FRAME_SLOT]] = frame
         ended = (frame == self.frames.eos_id).all(dim=1)
         # An end-of-audio frame is not audio: its row decodes into the scratch slot, leaving the stream's state as is.
         codec_slots = torch.where(ended, self.scratch, inputs[CODEC_SLOT])
-        audio = self.codec.decode_frames(frame[:, :, None], codec_slots)
+        audio = self.codec.decode_frames(frame[:, :, None], codec_slots, inputs[FRESH])
         pack_pcm(audio, ended, self.out[:rows])
 
     @torch.no_grad()
@@ -166,6 +167,7 @@ class FrameStep:
         table[RING, :count] = rows.rings
         table[PREFILL, :decoding] = 0
         table[PREFILL, decoding:count] = 1
+        table[FRESH, :count] = rows.fresh
         self.inputs.copy_(self._host_inputs, non_blocking=True)
         if self.graphs is None:
             self._compute(count, decoding)

@@ -4,8 +4,8 @@ The backbone reads a sequence of text-token and audio-frame embeddings and predi
 from its last hidden state; the depth decoder then predicts codebooks 1..N-1 one after another, starting from that
 hidden state and codebook 0. Both run batched over all streams of a step. :meth:`FrameModel.decode` and
 :meth:`FrameModel.generate` read nothing from the host and use fixed-size index tensors, so a whole step can be
-captured in a CUDA graph; :meth:`FrameModel.prefill` plans on the host, then runs its backbone forward from a graph
-bucketed by token count once :meth:`FrameModel.capture_prefill` has run (eagerly otherwise).
+captured in a CUDA graph; :meth:`FrameModel.prefill_ids` plans on the host, then runs from a graph bucketed by token
+count once :meth:`FrameModel.capture_prefill` has run (eagerly otherwise, as :meth:`FrameModel.prefill` always does).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from omnigate.engines.talker.model import TalkerModel
 from omnigate.engines.talker.prefill_graphs import PrefillGraphs
 from omnigate.engines.talker.sampling import TokenSampler
 from omnigate.kernels.sampling import SamplingRows, sample_tokens
+
+CLOSING = -1  # a token id in a prefill that stands for the frame closing the previous segment's audio
 
 
 class FrameModel:
@@ -79,6 +81,12 @@ class FrameModel:
         out: torch.Tensor = self._text_embeddings(ids)
         return out
 
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` embeddings of text token ``ids`` ``[T]``, where a :data:`CLOSING` id stands for the frame
+        that closes the previous segment's audio (fixed shapes, no host reads: CUDA-graph safe)."""
+        text: torch.Tensor = self._text_embeddings(ids.clamp(min=0))
+        return torch.where((ids == CLOSING)[:, None], self.closing_embedding.to(text.dtype), text)
+
     def embed_frames(self, frames: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` embeddings of ``[..., N]`` codec frames (the sum of one embedding per codebook)."""
         flat = frames.reshape(-1, 1, self.num_codebooks)  # the embedding sums over dim 2 of [B, T, N]
@@ -96,17 +104,33 @@ class FrameModel:
         out = self.backbone.forward(x, self.cache.keys, self.cache.values, slots, positions, cos[0], sin[0])
         return out
 
+    def _prefill_ids(
+        self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
+        x = self._backbone(self.embed_ids(ids).to(self.dtype), slots, positions)
+        return self.backbone.norm(x.index_select(0, last))
+
     def capture_prefill(self, max_tokens: int) -> None:
-        """Capture the prefill's backbone forward as CUDA graphs for up to ``max_tokens`` tokens (larger prefills
-        run eagerly)."""
+        """Capture :meth:`prefill_ids` as CUDA graphs for up to ``max_tokens`` tokens (larger prefills run
+        eagerly)."""
         self.prefill_graphs = PrefillGraphs(
-            self._backbone,
-            hidden=self.backbone.heads * self.backbone.head_dim,
-            scratch_slot=self.cache.scratch,
-            max_tokens=max_tokens,
-            device=self.device,
-            dtype=self.dtype,
+            self._prefill_ids, scratch_slot=self.cache.scratch, max_tokens=max_tokens, device=self.device
         )
+
+    @torch.no_grad()
+    def prefill_ids(self, slots: Sequence[int], unit_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append the tokens ``unit_ids[i]`` (text ids or :data:`CLOSING`) to ``slots[i]``'s context; returns each
+        slot's last hidden state after the final norm, ``[len(slots), hidden]``. From a captured graph when one
+        holds them."""
+        counts = [len(ids) for ids in unit_ids]
+        flat = [token for ids in unit_ids for token in ids]
+        graphs = self.prefill_graphs
+        if graphs is None or not graphs.fits(len(flat)):
+            return self.prefill_flat(slots, counts, self.embed_ids(torch.tensor(flat, device=self.device)))
+        rows, positions, last = self.cache.plan_rows(slots, counts)
+        hidden = graphs.run(flat, rows, positions, last)
+        self.cache.commit(slots, counts)
+        return hidden
 
     def prefill(self, slots: Sequence[int], embeddings: Sequence[torch.Tensor]) -> torch.Tensor:
         """Append ``embeddings[i]`` (``[T_i, hidden]``) to ``slots[i]``'s context in one forward over all their
@@ -118,12 +142,7 @@ class FrameModel:
         """:meth:`prefill` with the embeddings already concatenated: ``counts[i]`` rows of ``embeddings`` in order
         belong to ``slots[i]``."""
         rows = self.cache.plan(slots, counts)
-        tokens = embeddings.to(self.dtype)
-        graphs = self.prefill_graphs
-        if graphs is not None and graphs.fits(tokens.shape[0]):
-            x = graphs.run(tokens, rows.slots, rows.positions)
-        else:
-            x = self._backbone(tokens, rows.slots, rows.positions)
+        x = self._backbone(embeddings.to(self.dtype), rows.slots, rows.positions)
         self.cache.commit(slots, counts)
         return self.backbone.norm(x.index_select(0, rows.last))
 

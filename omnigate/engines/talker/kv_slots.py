@@ -68,16 +68,7 @@ class SlotKVCache:
 
     def plan(self, slots: Sequence[int], counts: Sequence[int]) -> TokenRows:
         """Rows appending ``counts[i]`` tokens to ``slots[i]``. Raises :class:`ContextFull`."""
-        slot_ids: list[int] = []
-        positions: list[int] = []
-        last: list[int] = []
-        for slot, count in zip(slots, counts, strict=True):
-            start = self._lengths[slot]
-            if start + count > self.capacity:
-                raise ContextFull(f"slot {slot} cannot take {count} more tokens (capacity {self.capacity})")
-            slot_ids.extend([slot] * count)
-            positions.extend(range(start, start + count))
-            last.append(len(slot_ids) - 1)
+        slot_ids, positions, last = self.plan_rows(slots, counts)
         rows = len(slot_ids)
         # One host-to-device copy for the three index vectors: each copy waits for the device's queue.
         packed = torch.tensor(slot_ids + positions + last, device=self.device, dtype=torch.int64)
@@ -88,6 +79,20 @@ class SlotKVCache:
             counts=tuple(counts),
             planned=tuple(slots),
         )
+
+    def plan_rows(self, slots: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """:meth:`plan` on the host: each row's slot and position, and each planned slot's last row."""
+        slot_ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for slot, count in zip(slots, counts, strict=True):
+            start = self._lengths[slot]
+            if start + count > self.capacity:
+                raise ContextFull(f"slot {slot} cannot take {count} more tokens (capacity {self.capacity})")
+            slot_ids.extend([slot] * count)
+            positions.extend(range(start, start + count))
+            last.append(len(slot_ids) - 1)
+        return slot_ids, positions, last
 
     def commit(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Count appended tokens as held, once every layer has written them."""
