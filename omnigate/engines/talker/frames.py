@@ -18,7 +18,7 @@ import torch
 from omnigate.engines.talker.decoder_stack import DecoderStack
 from omnigate.engines.talker.kv_slots import SlotKVCache
 from omnigate.engines.talker.model import TalkerModel
-from omnigate.engines.talker.prefill_graphs import PrefillGraphs
+from omnigate.engines.talker.prefill_graphs import MIN_BUCKET, PrefillGraphs
 from omnigate.engines.talker.sampling import TokenSampler
 from omnigate.kernels.sampling import SamplingRows, sample_tokens
 
@@ -116,6 +116,13 @@ class FrameModel:
         self.prefill_graphs = PrefillGraphs(
             self._prefill_ids, scratch_slot=self.cache.scratch, max_tokens=max_tokens, device=self.device
         )
+        # Triton compiles a kernel variant per kind of size (1, a multiple of 16, any other); the graphs only saw
+        # multiples of 16. Compile the others now, on the scratch slot, so that the first prefill too large for the
+        # graphs does not stall every stream while its kernels compile.
+        with torch.no_grad():
+            for tokens in (1, MIN_BUCKET + 1):
+                index = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+                self._prefill_ids(index, index + self.cache.scratch, index, index[:1])
 
     @torch.no_grad()
     def prefill_ids(self, slots: Sequence[int], unit_ids: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -27,10 +27,10 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: DType = "float32"  # backbone and depth decoder
     codec_dtype: DType | None = None  # the Mimi decoder; None: float32 when dtype is lower, else dtype
     cuda_graphs: bool = True  # on CUDA, capture each step size as a CUDA graph
-    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 4096  # more new text waits for the next step
-    # With CUDA graphs, prefills of up to this many tokens replay a captured graph; larger ones (reference audio)
-    # run eagerly. 0: every prefill runs eagerly.
-    prefill_graph_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 512
+    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more new text waits for the next step
+    # With CUDA graphs, prefills of up to this many tokens replay a captured graph; larger ones (reference audio, a
+    # raised per-step budget) run eagerly. 0: every prefill runs eagerly.
+    prefill_graph_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 1024
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.9  # 0: greedy
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 50  # 0: no top-k
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # 1: no top-p
