@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -101,6 +102,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             pool.info.sample_rate,
             " (synthetic test engine)" if pool.info.synthetic else "",
         )
+        # The models and libraries just loaded are millions of long-lived objects; a full collection walking them
+        # pauses the loop and the engine threads for hundreds of milliseconds under load. Keep them out of its walks.
+        gc.collect()
+        gc.freeze()
         loop_lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag.observe), name="loop-lag")
         try:
             app.state.video_engine = await start_video_engine(settings)
