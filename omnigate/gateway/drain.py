@@ -1,4 +1,4 @@
-"""Graceful drain: on SIGTERM stop admitting, let live utterances finish up to a deadline, close the rest typed.
+"""Graceful drain: on SIGTERM stop admitting, let live work finish up to a deadline, close the rest typed.
 
 uvicorn on its own closes every WebSocket with 1012 the moment it shuts down. :class:`DrainingServer` runs the drain
 first and lets uvicorn shut down only once the session registry is empty or the deadline has passed:
@@ -6,8 +6,11 @@ first and lets uvicorn shut down only once the session registry is empty or the 
 1. the registry refuses new sessions (WebSocket close 1012 / HTTP 503 with ``shutting_down``) and ``/ready`` answers
    503, so a load balancer stops sending traffic while the listener still answers probes;
 2. sessions with nothing in progress are closed at once with a typed ``shutting_down`` error (close code 1012);
-   sessions with an utterance in progress are closed the same way as soon as it ends;
+   sessions with an utterance or a video generation in progress are closed the same way as soon as it ends;
 3. at the deadline every remaining session is closed the same way, and the process exits 0.
+
+Speech sessions are seen through their lease's session driver, other sessions (video over a WebSocket or a WebRTC
+call) through the :class:`~omnigate.sessions.registry.DrainTarget` their route registers on the lease.
 
 A second signal skips the drain (uvicorn's forced exit).
 """
@@ -47,17 +50,24 @@ class DrainReport(msgspec.Struct, frozen=True):
 
 
 def _idle(lease: SessionLease) -> bool:
-    """Nothing in progress: no utterance collecting, queued or speaking."""
+    """Nothing in progress: no utterance collecting, queued or speaking; no video being generated."""
     driver = lease.driver
-    return driver is not None and driver.session.pending_utterances == 0
+    if driver is not None:
+        return driver.session.pending_utterances == 0
+    target = lease.drain_target
+    return target is not None and target.idle
 
 
 def _close(lease: SessionLease) -> bool:
+    """Close the session typed; False when it has no way to be closed or is closing already."""
     driver = lease.driver
-    if driver is None or driver.closed:
-        return False
-    driver.fail(CLOSE_CODE, CLOSE_MESSAGE)
-    return True
+    if driver is not None:
+        if driver.closed:
+            return False
+        driver.fail(CLOSE_CODE, CLOSE_MESSAGE)
+        return True
+    target = lease.drain_target
+    return target is not None and target.end(CLOSE_CODE, CLOSE_MESSAGE)
 
 
 async def drain(gateway: Gateway, timeout_s: float) -> DrainReport:

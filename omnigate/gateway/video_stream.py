@@ -12,6 +12,7 @@ stops reading stops its own decoding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 TRANSPORT = "video"
 # x264 speed preset: encoding a 480p frame costs 1-3 ms this way, nothing next to decoding it with the VAE.
 ENCODER_PRESET = "veryfast"
+# The close code of a session the server ends (a drain): 1012, service restart.
+SERVER_END_CLOSE_CODE = 1012
+# How long an ending session waits for the cancelled generation's video.done, when the client is there to read it.
+_DONE_WAIT_S = 2.0
 
 
 def _engine(ws: WebSocket) -> VideoEngine | None:
@@ -73,9 +78,11 @@ async def video_stream_endpoint(ws: WebSocket) -> None:
         await _refuse(ws, "video_unavailable", "this gateway serves no video model (start it with --video-model)", 4404)
         return
     try:
-        with gateway.registry.admit(TRANSPORT):
+        with gateway.registry.admit(TRANSPORT) as lease:
             await ws.accept()
-            await VideoStreamConnection(ws, gateway.settings, engine).run()
+            connection = VideoStreamConnection(ws, gateway.settings, engine)
+            lease.drain_target = connection
+            await connection.run()
     except SessionLimitReached as exc:
         draining = gateway.registry.draining
         code = "shutting_down" if draining else "server_busy"
@@ -90,7 +97,11 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, retry
 
 
 class VideoStreamConnection:
-    """One accepted connection: its reader, and the stream task of the generation in progress, if any."""
+    """One accepted connection: its reader, and the stream task of the generation in progress, if any.
+
+    It is also the session's :class:`~omnigate.sessions.registry.DrainTarget`: idle while nothing is generated,
+    ended by the server with :meth:`end`.
+    """
 
     def __init__(self, ws: WebSocket, settings: Settings, engine: VideoEngine) -> None:
         self.ws = ws
@@ -103,6 +114,7 @@ class VideoStreamConnection:
         self._receive_timeout: asyncio.Timeout | None = None
         self._close_code = 1000
         self._close_reason = "client_closed"
+        self._end_error: tuple[str, str] | None = None
         self.disconnected = False
         loop = asyncio.get_running_loop()
         self._session_deadline = loop.time() + settings.max_session_s
@@ -113,12 +125,39 @@ class VideoStreamConnection:
         try:
             await asyncio.gather(self._reader, return_exceptions=True)
         finally:
-            if self.job is not None:
-                self.job.cancel()
-            if self._stream_task is not None:
-                self._stream_task.cancel()
-                await asyncio.gather(self._stream_task, return_exceptions=True)
+            await self._end_generation()
+            if self._end_error is not None:
+                await self.send_event(json_error(*self._end_error))
             await self._close()
+
+    @property
+    def idle(self) -> bool:
+        """No video is being generated."""
+        return self.job is None
+
+    def end(self, code: str, message: str) -> bool:
+        """End the session from the server's side: the generation in progress, if any, is cancelled (its
+        ``video.done`` still goes out), then an ``error`` with ``code`` and the close (1012). False when the session
+        is already ending."""
+        reader = self._reader
+        if self._end_error is not None or self.disconnected or reader is None or reader.done():
+            return False
+        self._end_error = (code, message)
+        self._close_code, self._close_reason = SERVER_END_CLOSE_CODE, code
+        reader.cancel()
+        return True
+
+    async def _end_generation(self) -> None:
+        """Cancel the generation in progress; let it send its video.done while the client is there to read it."""
+        self.cancel_generation()
+        task = self._stream_task
+        if task is None:
+            return
+        if not self.disconnected:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), _DONE_WAIT_S)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     # ---- reader -----------------------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from omnigate.sessions.driver import SessionDriver
@@ -25,20 +25,39 @@ class SessionLimitReached(Exception):
         self.draining = draining
 
 
+class DrainTarget(Protocol):
+    """What a draining server needs of a session that has no :class:`SessionDriver` (the video routes)."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in progress: closing the session now loses no work."""
+        ...
+
+    def end(self, code: str, message: str) -> bool:
+        """Start closing the session with a typed error (``code``); False when it was already ending."""
+        ...
+
+
 class SessionLease:
-    """One admitted session's slot; :meth:`release` is idempotent."""
+    """One admitted session's slot; :meth:`release` is idempotent.
+
+    The route that serves the session sets ``driver`` (speech) or ``drain_target`` (other sessions), so a drain can
+    tell whether the session is idle and close it typed.
+    """
 
     def __init__(self, registry: SessionRegistry, transport: str) -> None:
         self._registry = registry
         self.transport = transport
         self.released = False
         self.driver: SessionDriver | None = None
+        self.drain_target: DrainTarget | None = None
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
         self.driver = None
+        self.drain_target = None
         self._registry.leases.discard(self)
         active = self._registry.active
         active[self.transport] -= 1

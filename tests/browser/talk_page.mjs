@@ -4,31 +4,14 @@
 // "no-webrtc" (RTCPeerConnection removed before the page loads: the page must fall back to the WebSocket).
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { chromium } from "playwright-core";
+import { launchChromium } from "./chromium.mjs";
 
 const [url, outDir] = process.argv.slice(2);
 const SENTENCE = "The quick brown fox jumps over the lazy dog. It ran into the forest and was gone.";
 const TIMEOUT_MS = 30000;
 const QUIET_MS = 800; // the page has played everything once it has been quiet this long after session.done
 
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
-  headless: true,
-  args: [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-    "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream",
-    "--autoplay-policy=no-user-gesture-required",
-    // Offer real host addresses rather than mDNS names (nothing answers mDNS inside the test's namespace).
-    "--disable-features=WebRtcHideLocalIpsWithMdns",
-  ],
-});
+const browser = await launchChromium(["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]);
 
 async function run(mode) {
   const page = await browser.newPage();

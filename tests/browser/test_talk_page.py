@@ -10,53 +10,26 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.audio_checks import speech_fraction
+from tests.browser.namespace import run_in_namespace, unshare_refusal
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[2]
-NAMESPACE_SETUP = (
-    "ip link set lo up"
-    " && ip link add veth0 type veth peer name veth1"
-    " && ip addr add 10.200.0.1/24 dev veth0 && ip addr add 10.200.0.2/24 dev veth1"
-    " && ip link set veth0 up && ip link set veth1 up"
-)
-RUN_TIMEOUT_S = 240
 MODES = ("webrtc", "no-webrtc")
-
-
-def _unshare_refusal() -> str | None:
-    """Why a network namespace cannot be made here, or None when it can."""
-    if shutil.which("unshare") is None:
-        return "unshare is not installed"
-    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True, check=False)
-    return None if probe.returncode == 0 else f"unshare -n is not permitted: {probe.stderr.strip()}"
 
 
 @pytest.fixture(scope="module")
 def page_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    refusal = _unshare_refusal()
+    refusal = unshare_refusal()
     if refusal is not None:
         pytest.skip(refusal)
     out = tmp_path_factory.mktemp("browser")
-    script = f'{NAMESPACE_SETUP} && exec "$0" -m tests.browser.page_session "$1"'
-    run = subprocess.run(
-        ["unshare", "-n", "sh", "-c", script, sys.executable, str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
+    run = run_in_namespace("tests.browser.page_session", out)
     output = f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert run.returncode == 0, f"the browser run failed ({run.returncode}):\n{output}"
     return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in MODES}

@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,10 @@ class ServerProcess:
 
 
 @asynccontextmanager
-async def server_process(tmp_path: Path, drain_timeout_s: float) -> AsyncIterator[ServerProcess]:
+async def server_process(
+    tmp_path: Path, drain_timeout_s: float, extra_args: Sequence[str] = ()
+) -> AsyncIterator[ServerProcess]:
+    """``omnigate serve`` with the synthetic engine at real time, plus ``extra_args``; killed on the way out."""
     port = free_port()
     log = tmp_path / "server.log"
     with log.open("wb") as out:
@@ -81,6 +84,7 @@ async def server_process(tmp_path: Path, drain_timeout_s: float) -> AsyncIterato
                 str(port),
                 "--drain-timeout",
                 str(drain_timeout_s),
+                *extra_args,
             ],
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,

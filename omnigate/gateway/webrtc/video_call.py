@@ -106,7 +106,11 @@ class TrackOutlet:
 
 
 class VideoCall:
-    """A peer connection, its video track and the generation in progress. Create it, :meth:`answer`, :meth:`run`."""
+    """A peer connection, its video track and the generation in progress. Create it, :meth:`answer`, :meth:`run`.
+
+    It is also its session's :class:`~omnigate.sessions.registry.DrainTarget`: idle while nothing is generated,
+    ended by the server with :meth:`end`.
+    """
 
     def __init__(
         self, call_id: str, gateway: Gateway, lease: SessionLease, telemetry: WebRtcTelemetry, engine: VideoEngine
@@ -114,6 +118,7 @@ class VideoCall:
         self.call_id = call_id
         self.settings = gateway.settings
         self.lease = lease
+        lease.drain_target = self
         self.telemetry = telemetry
         self.engine = engine
         info = engine.info
@@ -183,6 +188,20 @@ class VideoCall:
     def stop(self, reason: str) -> None:
         """End the call from outside (server shutdown); :meth:`run` then closes it."""
         self._end(reason, reason, f"the session ended: {reason}")
+
+    @property
+    def idle(self) -> bool:
+        """No video is being generated."""
+        return self.job is None
+
+    def end(self, code: str, message: str) -> bool:
+        """End the call from the server's side: the generation in progress, if any, is cancelled (its ``video.done``
+        still goes out), then an ``error`` with ``code`` on the channel, and the call is closed. False when the call
+        is already ending."""
+        if self._ended.is_set():
+            return False
+        self._end(code, code, message)
+        return True
 
     def _end(self, reason: str, code: str | None = None, message: str | None = None) -> None:
         """End the call (the first reason wins), telling the peer ``code`` when given."""

@@ -46,6 +46,7 @@ function connect() {
 }
 
 function onEvent(event) {
+  window.omnigateVideo.events.push(event);
   if (event.type === "video.start") {
     startPlayback(event);
   } else if (event.type === "video.done") {
