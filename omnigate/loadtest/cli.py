@@ -7,7 +7,8 @@ Usage::
     omnigate-loadtest run --compare http://127.0.0.1:8000 ws://127.0.0.1:8765 --sessions 50 --rounds 2
     omnigate-loadtest baseline --port 8765 [--rtf 1.0]
 
-``run`` is the default command.
+``run`` is the default command. Against a server that requires an API key, set ``OMNIGATE_API_KEY`` (or pass
+``--api-key``): every request then carries ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from contextlib import AsyncExitStack
@@ -25,6 +27,7 @@ import httpx
 import msgspec
 from rich.console import Console
 
+from omnigate.loadtest.api_key import ApiKey, add_api_key_option, auth_headers, auth_refusal_notice, resolve_api_key
 from omnigate.loadtest.arrivals import ArrivalModel, ClosedLoop, OpenLoop
 from omnigate.loadtest.baseline import BaselineSettings, run_baseline
 from omnigate.loadtest.corpus import load_corpus
@@ -85,6 +88,7 @@ def run_parser() -> argparse.ArgumentParser:
     target.add_argument("--target", default="ws-speech", help=f"client kind: {', '.join(target_kinds())}")
     target.add_argument("--model", help="model id sent to the server (server default when omitted)")
     target.add_argument("--voice", help="voice sent to the server (server default when omitted)")
+    add_api_key_option(parser)
     load = parser.add_argument_group("load")
     load.add_argument(
         "--sessions", type=_positive_ints, default=[1], help="closed loop: concurrent sessions, e.g. 1,4,16"
@@ -187,12 +191,13 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--server-pid {args.server_pid}: no such process on this machine")
 
 
-async def _run(args: argparse.Namespace, console: Console, errors: Console) -> int:
+async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Console, errors: Console) -> int:
     corpus = load_corpus(args.corpus)
     session_settings = SessionSettings(
         words_per_second=args.words_per_second,
         utterance_timeout_s=args.utterance_timeout,
         connect_timeout_s=args.connect_timeout,
+        api_key=api_key,
     )
     level_settings = LevelSettings(
         duration_s=args.duration,
@@ -223,7 +228,7 @@ async def _run(args: argparse.Namespace, console: Console, errors: Console) -> i
             targets.append(target)
         metrics_client = None
         if not args.no_metrics:
-            metrics_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
+            metrics_client = httpx.AsyncClient(timeout=5.0, trust_env=False, headers=auth_headers(api_key))
             stack.push_async_callback(metrics_client.aclose)
 
         async def observe(level: LevelRun) -> tuple[LevelReport, LevelTraces]:
@@ -263,15 +268,18 @@ async def _run(args: argparse.Namespace, console: Console, errors: Console) -> i
             utterance_timeout_s=args.utterance_timeout,
             corpus=str(args.corpus) if args.corpus else "shipped",
             corpus_entries=len(corpus),
+            api_key_sent=api_key is not None,
         ),
         levels=levels,
         capacity=capacity,
         compare=compare,
     )
-    return _finish(report, args, console, errors)
+    return _finish(report, args, api_key, console, errors)
 
 
-def _finish(report: LoadTestReport, args: argparse.Namespace, console: Console, errors: Console) -> int:
+def _finish(
+    report: LoadTestReport, args: argparse.Namespace, api_key: ApiKey | None, console: Console, errors: Console
+) -> int:
     if not args.quiet:
         console.print(summary_table(report.levels))
         if report.capacity is not None:
@@ -280,7 +288,8 @@ def _finish(report: LoadTestReport, args: argparse.Namespace, console: Console, 
             console.print(compare_table(report.compare))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+        encoded = msgspec.json.format(msgspec.json.encode(report), indent=2)
+        args.out.write_bytes(api_key.redact_json(encoded) if api_key is not None else encoded)
         if not args.quiet:
             console.print(f"report written to {args.out}")
     if args.plots is not None:
@@ -297,7 +306,14 @@ def _finish(report: LoadTestReport, args: argparse.Namespace, console: Console, 
     ]
     for problem in problems:
         errors.print(f"[red]report inconsistency[/red] {problem}")
-    return 1 if problems else 0
+    refusals = [
+        f"{level.target.label}: {notice}"
+        for level in report.levels
+        if (notice := auth_refusal_notice((s.errors for s in level.session_records), api_key is not None))
+    ]
+    for refusal in refusals:
+        errors.print(f"[red]not authorized[/red] {refusal}")
+    return 1 if problems or refusals else 0
 
 
 def _event_loop_runner() -> asyncio.Runner:
@@ -342,13 +358,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _validate(parser, args)
     try:
         target_class(args.target)
+        api_key = resolve_api_key(args.api_key, os.environ)
     except ValueError as exc:
         parser.error(str(exc))
     # Off a terminal rich assumes 80 columns, too narrow for the summary table.
     console = Console() if sys.stdout.isatty() else Console(width=200)
     errors = Console(stderr=True)
     try:
-        return _run_coroutine(_run(args, console, errors))
+        return _run_coroutine(_run(args, api_key, console, errors))
     except KeyboardInterrupt:
         errors.print("interrupted")
         return 130

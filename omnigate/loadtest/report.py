@@ -46,6 +46,8 @@ class RunSettings(msgspec.Struct, frozen=True):
     utterance_timeout_s: float
     corpus: str
     corpus_entries: int
+    api_key_sent: bool = False
+    """Whether the clients presented an API key (the key itself is never recorded)."""
 
 
 class UtteranceRecord(msgspec.Struct, frozen=True):

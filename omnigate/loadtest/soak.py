@@ -9,7 +9,8 @@ Usage::
 
 Every interval it records the server's footprint from ``/metrics`` (resident memory, open file descriptors,
 event-loop tasks, live sessions) and, for the utterances that ended in the interval, TTFA percentiles, underruns
-of the simulated player and errors. The verdicts are :mod:`omnigate.reliability.trend`'s.
+of the simulated player and errors. The verdicts are :mod:`omnigate.reliability.trend`'s. ``--api-key`` (default:
+``$OMNIGATE_API_KEY``) is presented on every session and every ``/metrics`` read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import datetime
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 
+from omnigate.loadtest.api_key import ApiKey, add_api_key_option, auth_headers, auth_refusal_notice, resolve_api_key
 from omnigate.loadtest.arrivals import ClosedLoop
 from omnigate.loadtest.corpus import load_corpus
 from omnigate.loadtest.report import LevelReport, LevelTraces, TargetSpec
@@ -64,6 +67,8 @@ class SoakReport(msgspec.Struct, frozen=True):
     trends: list[Trend]
     problems: list[str]
     passed: bool
+    api_key_sent: bool = False
+    """Whether the clients presented an API key (the key itself is never recorded)."""
 
 
 def soak_parser() -> argparse.ArgumentParser:
@@ -76,6 +81,7 @@ def soak_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default="ws-speech", help="client kind (see omnigate-loadtest run --help)")
     parser.add_argument("--model")
     parser.add_argument("--voice")
+    add_api_key_option(parser)
     size = parser.add_argument_group("how many sessions (one of)")
     size.add_argument("--sessions", type=int, help="exactly this many concurrent sessions")
     size.add_argument("--capacity", type=int, help="measured capacity; the soak runs --load of it")
@@ -148,9 +154,13 @@ def verdicts(samples: Sequence[SoakSample], args: argparse.Namespace) -> list[Tr
 
 async def _capacity(target: Target, args: argparse.Namespace, corpus: list[str]) -> int:
     settings = _level_settings(args, args.capacity_level_duration)
+    key_sent = target.settings.api_key is not None
 
     async def observe(level: LevelRun) -> tuple[LevelReport, LevelTraces]:
         report = await level.run(None)
+        notice = auth_refusal_notice((s.errors for s in report[0].session_records), key_sent)
+        if notice is not None:
+            raise SystemExit(f"capacity search: {notice}")
         print(f"capacity search: {level.label}: slo {'met' if report[0].slo.passed else 'missed'}", flush=True)
         return report
 
@@ -177,10 +187,11 @@ def _level_settings(args: argparse.Namespace, duration_s: float) -> LevelSetting
     )
 
 
-async def run_soak(args: argparse.Namespace) -> SoakReport:
+async def run_soak(args: argparse.Namespace, api_key: ApiKey | None) -> SoakReport:
     corpus = load_corpus()
     spec = TargetSpec(label=args.target, target=args.target, url=args.url, model=args.model, voice=args.voice)
-    target = target_class(args.target)(spec, SessionSettings(words_per_second=args.words_per_second))
+    settings = SessionSettings(words_per_second=args.words_per_second, api_key=api_key)
+    target = target_class(args.target)(spec, settings)
     await target.open()
     try:
         capacity = args.capacity
@@ -189,13 +200,16 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
         sessions = args.sessions if args.sessions is not None else max(1, math.floor(capacity * args.load))
         print(f"soak: {sessions} sessions for {args.duration:g} s, sampled every {args.interval:g} s", flush=True)
         level = LevelRun(target, ClosedLoop(sessions=sessions), _level_settings(args, args.duration), corpus)
-        samples = await _sample_while_running(level, args)
+        samples = await _sample_while_running(level, args, auth_headers(api_key))
     finally:
         await target.close()
     trends = verdicts(samples, args)
     problems = [
         f"{t.name} trends upward: +{t.rise:.1f} over the soak (tolerance {t.tolerance:.1f})" for t in trends if t.upward
     ]
+    refusal = auth_refusal_notice((trace.errors for trace in level.traces), api_key is not None)
+    if refusal is not None:
+        problems.insert(0, refusal)
     if any(s.footprint is None for s in samples[args.warm_up_intervals :]):
         problems.append("the server footprint could not be read from /metrics in every interval")
     if len([s for s in samples[args.warm_up_intervals :] if s.utterances]) < 3:
@@ -214,10 +228,11 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
         trends=trends,
         problems=problems,
         passed=not problems,
+        api_key_sent=api_key is not None,
     )
 
 
-async def _sample_while_running(level: LevelRun, args: argparse.Namespace) -> list[SoakSample]:
+async def _sample_while_running(level: LevelRun, args: argparse.Namespace, headers: dict[str, str]) -> list[SoakSample]:
     metrics_url = http_url(args.url, "/metrics")
     running = asyncio.create_task(level.run(None))
     samples: list[SoakSample] = []
@@ -229,7 +244,7 @@ async def _sample_while_running(level: LevelRun, args: argparse.Namespace) -> li
             await asyncio.sleep(max(0.0, started + index * args.interval - time.perf_counter()))
             now = time.perf_counter()
             try:
-                footprint: Footprint | None = await read_footprint(metrics_url)
+                footprint: Footprint | None = await read_footprint(metrics_url, headers)
             except FootprintUnavailable as exc:
                 print(f"footprint unavailable: {exc}", file=sys.stderr, flush=True)
                 footprint = None
@@ -264,11 +279,15 @@ def main(argv: Sequence[str]) -> int:
     if args.duration <= 0 or args.interval <= 0 or not 0 < args.load <= 1:
         parser.error("--duration and --interval must be > 0 and --load within (0, 1]")
     try:
+        api_key = resolve_api_key(args.api_key, os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         import uvloop
 
-        report = uvloop.run(run_soak(args))
+        report = uvloop.run(run_soak(args, api_key))
     except ImportError:
-        report = asyncio.run(run_soak(args))
+        report = asyncio.run(run_soak(args, api_key))
     for item in report.trends:
         print(
             f"{item.name}: {item.first} -> {item.last}, fitted rise {item.rise:+.2f} (tolerance {item.tolerance:.1f})"
@@ -279,5 +298,6 @@ def main(argv: Sequence[str]) -> int:
     print("soak passed" if report.passed else "soak failed")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
+        encoded = msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n"
+        args.out.write_bytes(api_key.redact_json(encoded) if api_key is not None else encoded)
     return 0 if report.passed else 1

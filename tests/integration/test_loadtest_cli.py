@@ -2,11 +2,13 @@
 
 Each test runs the installed console script for a couple of seconds and checks the JSON report: the counts add up,
 a server that produces audio faster than real time causes no underruns, and one that is slower than real time
-causes some. Nothing is asserted about how long anything took.
+causes some; against a server that requires an API key, every target presents it and the report never holds it.
+Nothing is asserted about how long anything took.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +17,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from omnigate.gateway.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
+from omnigate.loadtest.api_key import API_KEY_ENV
 from omnigate.loadtest.baseline import split_units
 from omnigate.loadtest.corpus import load_corpus, pick_texts
 from omnigate.loadtest.report import LevelReport, LoadTestReport, consistency_problems
@@ -39,6 +43,7 @@ The coffee here is surprisingly good.
 """
 # Generous, so a busy CI machine cannot starve a faster-than-real-time stream at its start.
 JITTER_MS = "200"
+API_KEY = "sk-loadtest-9f2c7e01d4"
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +88,22 @@ def fast_gateway() -> Iterator[RunningServer]:
         yield server
 
 
-def run_cli(tmp_path: Path, corpus: Path, *args: str) -> LoadTestReport:
+@pytest.fixture(scope="module")
+def keyed_gateway() -> Iterator[RunningServer]:
+    settings = Settings(
+        engine="synthetic",
+        model="rtf=0.1",
+        api_key_hashes=(api_key_hash(API_KEY),),
+        webrtc_host_addresses=("127.0.0.1",),
+    )
+    with serve(settings) as server:
+        yield server
+
+
+def invoke_cli(
+    tmp_path: Path, corpus: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[LoadTestReport, subprocess.CompletedProcess[str], bytes]:
+    """Run the CLI; returns the report, the finished process and the report file as written."""
     out = tmp_path / "report.json"
     command = [
         LOADTEST,
@@ -100,11 +120,19 @@ def run_cli(tmp_path: Path, corpus: Path, *args: str) -> LoadTestReport:
         "--out",
         str(out),
     ]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    report = msgspec.json.decode(out.read_bytes(), type=LoadTestReport)
+    # The key reaches the CLI only as the test says: never from the environment the tests run in.
+    environment = {name: value for name, value in os.environ.items() if name != API_KEY_ENV} | (env or {})
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False, env=environment)
+    written = out.read_bytes()
+    report = msgspec.json.decode(written, type=LoadTestReport)
     for level in report.levels:
         assert consistency_problems(level) == [], level.target.label
+    return report, completed, written
+
+
+def run_cli(tmp_path: Path, corpus: Path, *args: str) -> LoadTestReport:
+    report, completed, _ = invoke_cli(tmp_path, corpus, *args)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
     return report
 
 
@@ -251,3 +279,114 @@ def test_find_capacity_stops_at_the_ceiling_when_every_level_passes(
     assert result.capacity == 4
     assert result.ceiling_reached
     assert [level.slo.passed for level in report.levels] == [True, True, True]
+
+
+@pytest.mark.parametrize("target", ["ws-speech", "http-speech"])
+def test_without_a_key_every_session_is_refused_typed_and_the_cli_says_so(
+    tmp_path: Path, corpus_file: Path, keyed_gateway: RunningServer, target: str
+) -> None:
+    report, completed, _ = invoke_cli(
+        tmp_path,
+        corpus_file,
+        keyed_gateway.http_url,
+        "--target",
+        target,
+        "--sessions",
+        "2",
+        "--duration",
+        "1",
+        "--warmup",
+        "0",
+    )
+    assert completed.returncode == 1
+    assert "requires an API key" in completed.stderr and API_KEY_ENV in completed.stderr
+    (level,) = report.levels
+    assert not report.settings.api_key_sent
+    assert level.sessions.measured > 0
+    assert level.sessions.failed == level.sessions.measured
+    assert set(level.errors) == {"http_401"}
+    assert all(session.errors == {"http_401": 1} for session in level.session_records)
+    assert level.utterances.completed == 0
+
+
+def test_a_wrong_key_is_reported_as_refused(tmp_path: Path, corpus_file: Path, keyed_gateway: RunningServer) -> None:
+    report, completed, _ = invoke_cli(
+        tmp_path,
+        corpus_file,
+        keyed_gateway.http_url,
+        "--api-key",
+        "sk-not-the-key",
+        "--sessions",
+        "1",
+        "--duration",
+        "1",
+        "--warmup",
+        "0",
+    )
+    assert completed.returncode == 1
+    assert "refused the API key" in completed.stderr
+    assert set(report.levels[0].errors) == {"http_401"}
+    assert report.settings.api_key_sent
+
+
+@pytest.mark.parametrize("via", ["option", "environment"])
+@pytest.mark.parametrize("target", ["ws-speech", "http-speech"])
+def test_with_the_key_a_secured_server_is_measured_and_the_key_stays_out_of_the_output(
+    tmp_path: Path, corpus_file: Path, keyed_gateway: RunningServer, target: str, via: str
+) -> None:
+    key_args = ["--api-key", API_KEY] if via == "option" else []
+    env = {API_KEY_ENV: API_KEY} if via == "environment" else None
+    plots = tmp_path / "plots"
+    report, completed, written = invoke_cli(
+        tmp_path,
+        corpus_file,
+        keyed_gateway.http_url,
+        "--target",
+        target,
+        *key_args,
+        "--sessions",
+        "2",
+        "--duration",
+        "2",
+        "--warmup",
+        "0.5",
+        "--plots",
+        str(plots),
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    (level,) = report.levels
+    assert_clean(level)
+    assert level.audio_s > 0
+    assert report.settings.api_key_sent
+    # /metrics was scraped with the key too (the server counts the sessions it admitted).
+    assert level.metrics_error is None
+    assert any(s.name == f'omnigate_sessions_active{{transport="{target}"}}' for s in level.server_metrics)
+    assert API_KEY.encode() not in written
+    assert API_KEY not in completed.stdout + completed.stderr
+    assert all(API_KEY.encode() not in path.read_bytes() for path in plots.iterdir())
+
+
+@pytest.mark.parametrize("target", ["webrtc", "realtime"])
+def test_webrtc_and_realtime_present_the_key(
+    tmp_path: Path, corpus_file: Path, keyed_gateway: RunningServer, target: str
+) -> None:
+    report = run_cli(
+        tmp_path,
+        corpus_file,
+        keyed_gateway.http_url,
+        "--target",
+        target,
+        "--api-key",
+        API_KEY,
+        "--sessions",
+        "1",
+        "--duration",
+        "1",
+        "--warmup",
+        "0",
+    )
+    (level,) = report.levels
+    assert level.errors == {}, level.error_examples
+    assert level.utterances.completed >= 1
+    assert level.audio_s > 0

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from omnigate.loadtest.api_key import ApiKey, auth_headers
 from omnigate.loadtest.report import TargetSpec
 from omnigate.loadtest.traces import SessionTrace
 
@@ -20,6 +21,8 @@ class SessionSettings(msgspec.Struct, frozen=True):
     """Pace of streamed text; 0 sends each utterance's text in one message."""
     utterance_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
+    api_key: ApiKey | None = None
+    """Sent as ``Authorization: Bearer`` on every request and WebSocket handshake."""
 
 
 class Target(abc.ABC):
@@ -44,6 +47,10 @@ class Target(abc.ABC):
     @abc.abstractmethod
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
         """Run one session that speaks ``texts`` in order, one utterance each."""
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers every request of a session carries: the API key, when one is set."""
+        return auth_headers(self.settings.api_key)
 
     def metrics_url(self) -> str:
         """Where the server publishes Prometheus metrics."""

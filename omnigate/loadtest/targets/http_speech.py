@@ -45,6 +45,7 @@ class HttpSpeechTarget(Target):
             timeout=httpx.Timeout(settings.utterance_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
+            headers=self.auth_headers(),
         )
         self._model = self.spec.model or await self._first_served_model(self._client)
 

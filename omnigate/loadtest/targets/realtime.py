@@ -144,7 +144,7 @@ class RealtimeTarget(Target):
         """From response.cancel sent to that response's response.done received, ms."""
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace)
+        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace, self.auth_headers())
         if connection is None:
             return
         async with connection:

@@ -226,6 +226,7 @@ class WebRtcTarget(Target):
             timeout=httpx.Timeout(self.settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
+            headers=self.auth_headers(),
         )
 
     async def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI
@@ -13,11 +14,15 @@ CLOSE_WAIT_S = 5.0
 MAX_MESSAGE_BYTES = 16 * 2**20
 
 
-async def connect_traced(url: str, connect_timeout_s: float, trace: SessionTrace) -> ClientConnection | None:
-    """Connect, marking the trace connected; on failure record a typed error on the trace and return None."""
+async def connect_traced(
+    url: str, connect_timeout_s: float, trace: SessionTrace, headers: Mapping[str, str] | None = None
+) -> ClientConnection | None:
+    """Connect with ``headers`` on the handshake, marking the trace connected; on failure record a typed error on
+    the trace (a refused handshake as ``http_<status>``) and return None."""
     try:
         connection = await connect(
             url,
+            additional_headers=headers,
             compression=None,  # PCM does not compress; deflate would only burn CPU on both ends
             proxy=None,
             open_timeout=connect_timeout_s,

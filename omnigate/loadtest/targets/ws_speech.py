@@ -52,7 +52,7 @@ class WsSpeechTarget(Target):
         return ws_url(self.spec.url, SPEECH_STREAM_PATH)
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace)
+        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace, self.auth_headers())
         if connection is None:
             return
         async with connection:
