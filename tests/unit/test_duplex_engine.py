@@ -41,9 +41,11 @@ class Frames:
 
 async def test_every_tick_yields_a_frame_and_silence_keeps_the_clock(engine: DuplexEngine) -> None:
     frames = Frames()
-    session = engine.open_session(frames, max_input_bytes=10 * FRAME_BYTES, initial_credit_frames=100)
+    # No credit until the audio is queued: the tick thread would otherwise take tick 0 before it arrives.
+    session = engine.open_session(frames, max_input_bytes=10 * FRAME_BYTES, initial_credit_frames=0)
     try:
         assert engine.push_audio(session, b"\x10\x00" * 1920 * 2)  # two frames of audio, then nothing
+        engine.grant(session, 100)
         got = await frames.take(5)
     finally:
         engine.close_session(session)
