@@ -30,6 +30,7 @@ from omnigate.gateway.video_protocol import (
 if TYPE_CHECKING:
     from omnigate.engines.video.engine import VideoEngine, VideoJob
     from omnigate.engines.video.request import VideoRequest
+    from omnigate.gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,23 @@ class VideoSession(Protocol):
         ...
 
 
-async def handle_client_text(
-    session: VideoSession, engine: VideoEngine, text: str, *, max_bytes: int, retry_after_s: float
-) -> bool:
+def rearm_receive_timeout(
+    timeout: asyncio.Timeout | None, session_deadline: float, generating: bool, settings: Settings
+) -> None:
+    """Idle timeout while no video is being generated; otherwise only the session's maximum duration."""
+    if timeout is None:
+        return
+    deadline = session_deadline
+    if not generating:
+        deadline = min(deadline, asyncio.get_running_loop().time() + settings.idle_timeout_s)
+    timeout.reschedule(deadline)
+
+
+async def handle_client_text(session: VideoSession, engine: VideoEngine, text: str, settings: Settings) -> bool:
     """Answer one client event: a bad one with a typed ``error`` (the session goes on); False on ``session.close``."""
+    retry_after_s = settings.retry_after_s
     try:
-        event = decode_client_event(text, max_bytes)
+        event = decode_client_event(text, settings.ws_max_text_event_bytes)
         if isinstance(event, SessionClose):
             return False
         if isinstance(event, VideoCancel):

@@ -25,7 +25,7 @@ from omnigate.engines.video.outputs import FrameGroup, VideoDone
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
-from omnigate.gateway.video_generation import handle_client_text, run_generation
+from omnigate.gateway.video_generation import handle_client_text, rearm_receive_timeout, run_generation
 from omnigate.gateway.video_protocol import binary_refused
 from omnigate.sessions.registry import SessionLimitReached
 
@@ -166,7 +166,9 @@ class VideoStreamConnection:
             try:
                 async with asyncio.timeout(None) as timeout:
                     self._receive_timeout = timeout
-                    self._arm_timeout()
+                    rearm_receive_timeout(
+                        self._receive_timeout, self._session_deadline, self.job is not None, self.settings
+                    )
                     message = await self.ws.receive()
             except TimeoutError:
                 expired = asyncio.get_running_loop().time() >= self._session_deadline
@@ -184,25 +186,8 @@ class VideoStreamConnection:
             if text is None:
                 await self.send_event(binary_refused().event())
                 continue
-            if not await self._on_text(text):
+            if not await handle_client_text(self, self.engine, text, self.settings):
                 return
-
-    def _arm_timeout(self) -> None:
-        """Idle timeout while no video is being generated; otherwise only the session's maximum duration."""
-        timeout = self._receive_timeout
-        if timeout is None:
-            return
-        deadline = self._session_deadline
-        if self.job is None:
-            deadline = min(deadline, asyncio.get_running_loop().time() + self.settings.idle_timeout_s)
-        timeout.reschedule(deadline)
-
-    async def _on_text(self, text: str) -> bool:
-        """Handle one client event; False ends the session."""
-        settings = self.settings
-        return await handle_client_text(
-            self, self.engine, text, max_bytes=settings.ws_max_text_event_bytes, retry_after_s=settings.retry_after_s
-        )
 
     def start_generation(self, job: VideoJob) -> None:
         """Serve ``job`` in a stream task of its own (the ``VideoSession`` part of this connection)."""
@@ -219,7 +204,7 @@ class VideoStreamConnection:
             await run_generation(job, Mp4Outlet(self), self.send_event)
         finally:
             self.job = None
-            self._arm_timeout()
+            rearm_receive_timeout(self._receive_timeout, self._session_deadline, self.job is not None, self.settings)
 
     # ---- sending ----------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from aiortc.sdp import SessionDescription
 from omnigate.engines.video.outputs import FrameGroup, VideoDone
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.state import Gateway
-from omnigate.gateway.video_generation import handle_client_text, run_generation
+from omnigate.gateway.video_generation import handle_client_text, rearm_receive_timeout, run_generation
 from omnigate.gateway.video_protocol import binary_refused
 from omnigate.gateway.webrtc.channel import ChannelWriter
 from omnigate.gateway.webrtc.ice import rtc_configuration
@@ -287,7 +287,9 @@ class VideoCall:
             try:
                 async with asyncio.timeout(None) as timeout:
                     self._receive_timeout = timeout
-                    self._arm_timeout()
+                    rearm_receive_timeout(
+                        self._receive_timeout, self._session_deadline, self.job is not None, self.settings
+                    )
                     message = await self._inbound.get()
             except TimeoutError:
                 expired = asyncio.get_running_loop().time() >= self._session_deadline
@@ -298,26 +300,9 @@ class VideoCall:
                 self._receive_timeout = None
             if isinstance(message, bytes):
                 await self.send_event(binary_refused().event())
-            elif not await self._on_text(message):
+            elif not await handle_client_text(self, self.engine, message, self.settings):
                 self._end("client_closed")
                 return
-
-    def _arm_timeout(self) -> None:
-        """Idle timeout while no video is being generated; otherwise only the session's maximum duration."""
-        timeout = self._receive_timeout
-        if timeout is None:
-            return
-        deadline = self._session_deadline
-        if self.job is None:
-            deadline = min(deadline, asyncio.get_running_loop().time() + self.settings.idle_timeout_s)
-        timeout.reschedule(deadline)
-
-    async def _on_text(self, text: str) -> bool:
-        """Handle one client event; False ends the call."""
-        settings = self.settings
-        return await handle_client_text(
-            self, self.engine, text, max_bytes=settings.ws_max_text_event_bytes, retry_after_s=settings.retry_after_s
-        )
 
     def start_generation(self, job: VideoJob) -> None:
         """Play ``job`` on the track from a stream task of its own (the ``VideoSession`` part of this call)."""
@@ -338,7 +323,7 @@ class VideoCall:
         finally:
             self.job = None
             self._outlet = None
-            self._arm_timeout()
+            rearm_receive_timeout(self._receive_timeout, self._session_deadline, self.job is not None, self.settings)
 
     async def send_event(self, body: dict[str, Any]) -> bool:
         """Send one event on the data channel; False when the peer is gone or stopped reading."""
