@@ -1,9 +1,11 @@
 """``omnigate serve`` with the engine's steps under cProfile, to see where a server step's host time goes.
 
 Usage: ``python benchmarks/profiled_server.py --profile-out FILE serve ...`` (the rest is ``omnigate``'s command
-line). Only the scheduler threads' ``EnginePool._run_step`` calls are profiled (the engine step and the pool's
-bookkeeping around it), so the event loop's own work is left out. On exit the statistics are written to ``FILE``
-(pstats) and the top functions by cumulative and by own time to ``FILE.txt``.
+line). The profiler is switched on for the duration of each ``EnginePool._run_step`` call (the engine step and the
+pool's bookkeeping around it). On Python 3.11 that profiles the scheduler thread alone; from 3.12 cProfile hooks every
+thread while it is on, so the event loop's work during steps shows up too (read the engine's functions by name). On
+exit the statistics are written to ``FILE`` (pstats) and the top functions by cumulative and by own time to
+``FILE.txt``.
 """
 
 from __future__ import annotations
