@@ -1,4 +1,4 @@
-"""Start the real gateway (uvicorn + uvloop + websockets-sansio) on a free loopback port inside the test process."""
+"""Start the real gateway, configured as ``omnigate serve`` configures it, on a free loopback port in-process."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from omnigate.engines.base import Engine
 from omnigate.gateway.app import create_app
+from omnigate.gateway.server_config import uvicorn_config
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.sockets import bind_listener
 from omnigate.gateway.state import Gateway
@@ -52,15 +53,7 @@ def serve(settings: Settings, engine: Engine | None = None) -> Iterator[RunningS
     app = create_app(settings, engine)
     sock = bind_listener("127.0.0.1", 0, settings.socket_send_buffer_bytes)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        loop="uvloop",
-        ws="websockets-sansio",
-        ws_max_size=settings.ws_max_message_bytes,
-        lifespan="on",
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-    )
+    config = uvicorn_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     loop_box: list[asyncio.AbstractEventLoop] = []
     started = threading.Event()

@@ -1,4 +1,4 @@
-"""``omnigate serve``: run the gateway on uvicorn with uvloop and the sans-I/O websockets implementation."""
+"""``omnigate serve``: run the gateway on uvicorn (configured by :mod:`omnigate.gateway.server_config`)."""
 
 from __future__ import annotations
 
@@ -268,19 +268,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)
-    import uvicorn
-
     from omnigate.gateway.app import create_app
     from omnigate.gateway.drain import DrainingServer
+    from omnigate.gateway.server_config import uvicorn_config
     from omnigate.gateway.sockets import bind_listener
 
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
-        loop="uvloop",
-        ws="websockets-sansio",
-        ws_max_size=settings.ws_max_message_bytes,
-        lifespan="on",
+        settings,
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through configure_logging's handler (JSON, redaction)
         timeout_graceful_shutdown=5,

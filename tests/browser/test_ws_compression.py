@@ -1,0 +1,61 @@
+"""Chromium at its defaults offers permessage-deflate; no WebSocket route of the gateway accepts it.
+
+A WebSocket needs no ICE, so this test runs Chromium on loopback (no network namespace). The control is a bare
+``websockets`` server at its defaults, which accepts the offer: the same page sees the extension there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.routing import WebSocketRoute
+from websockets.asyncio.server import serve as bare_serve
+
+from omnigate.gateway.settings import Settings
+from tests.serving import RunningServer, serve
+
+pytestmark = pytest.mark.browser
+
+SCRIPT = Path(__file__).with_name("ws_extensions.mjs")
+MEDIA_ROUTES = {"/v1/audio/speech/stream", "/v1/realtime", "/v1/duplex", "/v1/realtime/video"}
+NODE_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def every_engine() -> Iterator[RunningServer]:
+    """Speech, duplex and video engines, so every WebSocket route has something behind it."""
+    settings = Settings(
+        engine="synthetic",
+        duplex_model="preset:tiny",
+        duplex_options={"max_sessions": "1"},
+        video_model="preset:tiny",
+        video_options={"max_sessions": "1"},
+    )
+    with serve(settings) as server:
+        yield server
+
+
+async def negotiated_in_chromium(page_url: str, urls: list[str]) -> dict[str, object]:
+    node = await asyncio.create_subprocess_exec(
+        "node", str(SCRIPT), page_url, *urls, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    stdout, stderr = await asyncio.wait_for(node.communicate(), NODE_TIMEOUT_S)
+    assert node.returncode == 0, stderr.decode()[-3000:]
+    result: dict[str, object] = json.loads(stdout)
+    return result
+
+
+async def test_chromium_gets_no_extension_on_any_websocket_route(every_engine: RunningServer) -> None:
+    routes = sorted(route.path for route in every_engine.app.routes if isinstance(route, WebSocketRoute))
+    assert set(routes) >= MEDIA_ROUTES
+    async with bare_serve(lambda ws: ws.wait_closed(), "127.0.0.1", 0) as bare:
+        control = f"ws://127.0.0.1:{bare.sockets[0].getsockname()[1]}/"
+        urls = [f"{every_engine.ws_url}{path}" for path in routes]
+        negotiated = await negotiated_in_chromium(f"{every_engine.http_url}/health", [control, *urls])
+    offered = negotiated.pop(control)
+    assert isinstance(offered, str) and offered.startswith("permessage-deflate"), offered
+    assert negotiated == dict.fromkeys(urls, "")
