@@ -13,10 +13,19 @@ ensure_venv() {
   fi
 }
 
-# pip_install EXTRAS [PACKAGES...]: install the project (editable) with EXTRAS, plus PACKAGES.
+# pip_install EXTRAS [PACKAGES...]: install the project (editable) with EXTRAS, plus PACKAGES. Skipped when this
+# environment already has exactly that install of this checkout's pyproject.toml: a stamp file in the environment
+# records it (the install is editable, so code changes need no new install; a new dependency changes pyproject.toml).
 pip_install() {
   local extras="$1"; shift
+  local stamp="$VENV/.omnigate-installed-${extras//,/-}"
+  local want
+  want="$ROOT $(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1) $*"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
   echo "==> installing omnigate[$extras] $*" >&2
   # torch is pinned to the CPU build (2.13.0); asking for it first keeps pip from choosing a CUDA build.
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" -e "$ROOT[$extras]"
+  printf '%s\n' "$want" >"$stamp"
 }

@@ -17,6 +17,12 @@ import msgspec
 
 StopReason = Literal["completed", "cancelled", "max_duration", "silence", "error"]
 
+# OpenAI's voice names. Voice-agent frameworks send them whatever the server, so every engine takes them as
+# aliases of its served voices (see :meth:`EngineInfo.voice_aliases`) and those clients work unchanged.
+OPENAI_VOICES = (
+    "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar",
+)  # fmt: skip
+
 
 class VoiceInfo(msgspec.Struct, frozen=True):
     """A voice an engine serves."""
@@ -57,6 +63,15 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
     def voice_ids(self) -> frozenset[str]:
         return frozenset(v.id for v in self.voices)
+
+    def voice_aliases(self) -> dict[str, str]:
+        """Each OpenAI voice name and the served voice id it speaks with: a stable spread over the served voices.
+        A served voice of the same name (id or name, any case) is that voice, not an alias."""
+        ids = sorted(self.voice_ids())
+        if not ids:
+            return {}
+        served = {v.id.lower() for v in self.voices} | {v.name.lower() for v in self.voices}
+        return {alias: ids[index % len(ids)] for index, alias in enumerate(OPENAI_VOICES) if alias not in served}
 
 
 class SynthesisParams(msgspec.Struct, frozen=True):
@@ -172,7 +187,11 @@ def validate_params(info: EngineInfo, params: SynthesisParams) -> None:
     caps = info.capabilities
     if params.voice not in info.voice_ids():
         available = ", ".join(sorted(info.voice_ids()))
-        raise EngineError("unknown_voice", f"voice {params.voice!r} is not served; available: {available}", "voice")
+        aliases = ", ".join(info.voice_aliases())
+        message = f"voice {params.voice!r} is not served; available: {available}"
+        if aliases:
+            message += f"; aliases of these (OpenAI's voice names): {aliases}"
+        raise EngineError("unknown_voice", message, "voice")
     if not MIN_SPEED <= params.speed <= MAX_SPEED:
         raise EngineError("invalid_speed", f"speed must be within {MIN_SPEED}..{MAX_SPEED}", "speed")
     if params.speed != 1.0 and not caps.speed:

@@ -21,6 +21,7 @@ from omnigate.gateway import info
 from omnigate.gateway.auth import AuthMiddleware
 from omnigate.gateway.client_secrets import client_secrets_endpoint
 from omnigate.gateway.credentials import ApiKeys, ClientSecretStore
+from omnigate.gateway.errors import routing_error
 from omnigate.gateway.loop_lag import watch_loop_lag
 from omnigate.gateway.metrics import Metrics
 from omnigate.gateway.ratelimit import KeyedSessionRegistry
@@ -150,7 +151,12 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         client_secrets=client_secrets,
         metrics=metrics,
     )
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[auth])
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[auth],
+        exception_handlers={404: routing_error, 405: routing_error},
+    )
     app.state.gateway = gateway
     app.state.metrics = metrics
     app.state.video_engine = None  # a VideoEngine while serving, when --video-model names one

@@ -26,6 +26,13 @@ class AudioOut:
     def output_rate(self) -> int:
         return self.encoder.output_rate
 
+    @property
+    def content_type(self) -> str:
+        """The stream's HTTP content type. Raw PCM names its rate (``audio/pcm;rate=24000``): nothing in the bytes
+        does."""
+        fmt = self.encoder.format
+        return f"{fmt.content_type};rate={self.output_rate}" if fmt.name == "pcm" else fmt.content_type
+
     async def encode(self, pcm: bytes) -> bytes:
         if self.encoder.costly:
             data = await asyncio.to_thread(self.encoder.encode, pcm)

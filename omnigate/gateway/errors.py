@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 # What msgspec raises for JSON it cannot decode: malformed text, invalid UTF-8 inside a string (UnicodeDecodeError),
@@ -16,6 +18,7 @@ HTTP_ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -56,6 +59,19 @@ class HttpError(Exception):
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
         return Response(msgspec.json.encode(body), self.status, headers, media_type="application/json")
+
+
+# The codes of the HTTP errors Starlette's router raises itself (an unknown path, a method a route does not take).
+_ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def routing_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (404, 405) in OpenAI's shape, like every other error; ``Allow`` is kept."""
+    assert isinstance(exc, HTTPException)
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    response = HttpError(exc.status_code, message, code=_ROUTING_CODES.get(exc.status_code)).response()
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def describe_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> tuple[str, str | None]:

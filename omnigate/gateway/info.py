@@ -72,11 +72,25 @@ async def voices(request: Request) -> Response:
     if gw.pool is None:
         return JSONResponse({"voices": [], "default": None})
     info = gw.pool.info
+    served = {v.id: v for v in info.voices}
+    aliases = [
+        {
+            "id": alias,
+            "name": alias,
+            "language": served[voice].language,
+            "description": f"OpenAI's voice name, an alias of {voice}",
+            "alias_of": voice,
+        }
+        for alias, voice in info.voice_aliases().items()
+    ]
     return JSONResponse(
         {
+            # Served voices first; OpenAI's voice names follow, each marked with the served voice it speaks with.
             "voices": [
-                {"id": v.id, "name": v.name, "language": v.language, "description": v.description} for v in info.voices
-            ],
+                {"id": v.id, "name": v.name, "language": v.language, "description": v.description, "alias_of": None}
+                for v in info.voices
+            ]
+            + aliases,
             "default": info.default_voice,
             "uploaded_voices": [],
         }

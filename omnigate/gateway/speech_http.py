@@ -132,7 +132,6 @@ async def speech_endpoint(request: Request) -> Response:
     driver.submit(Configure(config))
     driver.submit(AppendText(req.input))
     driver.submit(Flush())
-    fmt = get_format(req.response_format)
     out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
 
     # The first event decides the status: a refusal before any audio is still an HTTP error.
@@ -172,11 +171,12 @@ async def speech_endpoint(request: Request) -> Response:
 
     # The background task also runs when the client went away before the body started.
     background = BackgroundTask(cleanup)
+    rate = {"x-sample-rate": str(out.output_rate)}
     if req.stream_format == "sse":
         return StreamingResponse(
-            _sse(audio_bytes(), req.input, out), media_type="text/event-stream", background=background
+            _sse(audio_bytes(), req.input, out), media_type="text/event-stream", headers=rate, background=background
         )
-    return StreamingResponse(audio_bytes(), media_type=fmt.content_type, background=background)
+    return StreamingResponse(audio_bytes(), media_type=out.content_type, headers=rate, background=background)
 
 
 async def _sse(audio: AsyncIterator[bytes], text: str, out: AudioOut) -> AsyncIterator[bytes]:

@@ -37,7 +37,7 @@ from omnigate.engines.remote.protocol import ReplicaStats
 from tests.audio_checks import synthetic_ms
 from tests.multinode.ray_cluster import LocalRayCluster, ray_cluster
 
-pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+pytestmark = [pytest.mark.multinode, pytest.mark.haproxy, pytest.mark.slow]
 
 SESSIONS = int(os.environ.get("OMNIGATE_MULTINODE_SESSIONS", "8"))
 SPEC = f"chunk_ms=40,rtf=1.0,max_sessions={2 * SESSIONS},max_batch={2 * SESSIONS}"

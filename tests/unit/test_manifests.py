@@ -392,6 +392,7 @@ def test_images_run_unprivileged_with_a_health_check_and_omnigates_command_line(
     assert re.search(r"pip install .*\.\[[a-z,]*ray[a-z,]*\]", text)
 
 
+@pytest.mark.haproxy
 def test_the_haproxy_example_is_valid_and_checks_readiness() -> None:
     haproxy = shutil.which("haproxy")
     if haproxy is None:

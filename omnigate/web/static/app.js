@@ -302,7 +302,8 @@ async function loadVoices() {
   try {
     const response = await fetch("/v1/audio/voices");
     const { voices, default: preferred } = await response.json();
-    for (const voice of voices) {
+    // OpenAI's voice names are listed too, as aliases (alias_of); they speak with a voice already in the list.
+    for (const voice of voices.filter((v) => !v.alias_of)) {
       const option = new Option(voice.name || voice.id, voice.id, false, voice.id === preferred);
       $("voice").add(option);
     }
