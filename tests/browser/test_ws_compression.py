@@ -12,30 +12,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from starlette.routing import WebSocketRoute
 from websockets.asyncio.server import serve as bare_serve
 
-from omnigate.gateway.settings import Settings
-from tests.serving import RunningServer, serve
+from tests.serving import RunningServer
+from tests.websocket_routes import serve_every_engine, websocket_paths
 
 pytestmark = pytest.mark.browser
 
 SCRIPT = Path(__file__).with_name("ws_extensions.mjs")
-MEDIA_ROUTES = {"/v1/audio/speech/stream", "/v1/realtime", "/v1/duplex", "/v1/realtime/video"}
 NODE_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
 def every_engine() -> Iterator[RunningServer]:
-    """Speech, duplex and video engines, so every WebSocket route has something behind it."""
-    settings = Settings(
-        engine="synthetic",
-        duplex_model="preset:tiny",
-        duplex_options={"max_sessions": "1"},
-        video_model="preset:tiny",
-        video_options={"max_sessions": "1"},
-    )
-    with serve(settings) as server:
+    with serve_every_engine() as server:
         yield server
 
 
@@ -50,8 +40,7 @@ async def negotiated_in_chromium(page_url: str, urls: list[str]) -> dict[str, ob
 
 
 async def test_chromium_gets_no_extension_on_any_websocket_route(every_engine: RunningServer) -> None:
-    routes = sorted(route.path for route in every_engine.app.routes if isinstance(route, WebSocketRoute))
-    assert set(routes) >= MEDIA_ROUTES
+    routes = websocket_paths(every_engine)
     async with bare_serve(lambda ws: ws.wait_closed(), "127.0.0.1", 0) as bare:
         control = f"ws://127.0.0.1:{bare.sockets[0].getsockname()[1]}/"
         urls = [f"{every_engine.ws_url}{path}" for path in routes]

@@ -9,34 +9,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from starlette.routing import WebSocketRoute
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve as bare_serve
 from websockets.extensions.permessage_deflate import PerMessageDeflate
 
-from omnigate.gateway.settings import Settings
-from tests.serving import RunningServer, serve
+from tests.serving import RunningServer
+from tests.websocket_routes import serve_every_engine, websocket_paths
 
 pytestmark = pytest.mark.integration
-
-MEDIA_ROUTES = {"/v1/audio/speech/stream", "/v1/realtime", "/v1/duplex", "/v1/realtime/video"}
-
-
-def websocket_routes(server: RunningServer) -> list[str]:
-    return sorted(route.path for route in server.app.routes if isinstance(route, WebSocketRoute))
 
 
 @pytest.fixture(scope="module")
 def every_engine() -> Iterator[RunningServer]:
-    """Speech, duplex and video engines, so every WebSocket route has something behind it."""
-    settings = Settings(
-        engine="synthetic",
-        duplex_model="preset:tiny",
-        duplex_options={"max_sessions": "1"},
-        video_model="preset:tiny",
-        video_options={"max_sessions": "1"},
-    )
-    with serve(settings) as server:
+    with serve_every_engine() as server:
         yield server
 
 
@@ -50,8 +35,7 @@ async def test_a_default_websockets_client_offers_compression() -> None:
 
 
 async def test_no_websocket_route_negotiates_compression(every_engine: RunningServer) -> None:
-    routes = websocket_routes(every_engine)
-    assert set(routes) >= MEDIA_ROUTES
+    routes = websocket_paths(every_engine)
     for path in routes:
         async with connect(f"{every_engine.ws_url}{path}") as ws:
             assert "permessage-deflate" in (ws.request.headers.get("Sec-WebSocket-Extensions") or "")
