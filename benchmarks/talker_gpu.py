@@ -666,6 +666,8 @@ def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_d
         str(report_path),
         "--quiet",
     ]
+    if args.no_compression:
+        command.append("--no-compression")
     t0 = time.perf_counter()
     with GpuMemorySampler() as gpu:
         done = subprocess.run(command, capture_output=True, text=True)
@@ -683,6 +685,7 @@ def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_d
         "underruns": level["underruns"],
         "utterances": level["utterances"],
         "errors": level["errors"],
+        "negotiated": level.get("negotiated", {}),
         "audio_s": level["audio_s"],
         "client_cpu_percent": level["client_cpu_percent"],
         "gpu_memory_peak_mib": gpu.peak_mib,
@@ -781,6 +784,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--deadline-s", type=float, default=540.0, help="no new capacity level starts past this (from the start)"
     )
     parser.add_argument("--keep-level-reports", action="store_true")
+    parser.add_argument(
+        "--no-compression",
+        action="store_true",
+        help="clients offer no permessage-deflate (by default they offer it, as browsers and websockets clients do)",
+    )
     args = parser.parse_args(argv)
     args.started = time.perf_counter()
     if args.engine_option is None:

@@ -6,6 +6,10 @@ chunks at the synthetic engine's cadence (24 kHz s16le mono, 40 ms chunks, 60 ms
 at a configurable real-time factor) and ``audio.done``, then ``session.done`` per flushed utterance. No ASGI, no
 session core, no engine pool: measured against it, the gateway's overhead is a ratio. It serves only streamed PCM, so
 ``session.config`` must carry ``response_format`` and ``stream_audio``.
+
+Like the gateway's media routes it answers no ``permessage-deflate`` by default, so a client at its defaults (which
+offers it) negotiates the same with both and the ratio compares like with like; ``compression=True`` accepts it as a
+``websockets`` server at its defaults does, to measure what deflating media costs.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class BaselineSettings(msgspec.Struct, frozen=True):
     max_pending_units: int = 64
     max_unit_chars: int = 120
     """Text without sentence punctuation is released as a unit at this length."""
+    compression: bool = False
+    """Accept ``permessage-deflate`` when a client offers it (the gateway's media routes never do)."""
 
 
 class _Unit(msgspec.Struct, frozen=True):
@@ -159,7 +165,9 @@ class BaselineSession:
             await asyncio.gather(writer, return_exceptions=True)
             while not self._work.empty():
                 self._work.get_nowait()
-            await self._send(SessionDoneEvent(utterance_index=self._utterance, total_sentences=self._sentences))
+            await self._send(
+                SessionDoneEvent(utterance_index=self._utterance, total_sentences=self._sentences, status="cancelled")
+            )
             self._next_utterance()
             writer = asyncio.create_task(self._write())
         return writer
@@ -238,7 +246,7 @@ def baseline_server(host: str, port: int, settings: BaselineSettings) -> Server:
         handler,
         host,
         port,
-        compression=None,
+        compression="deflate" if settings.compression else None,
         process_request=_only_speech_stream,
         ping_interval=None,
         max_size=4 * 2**20,

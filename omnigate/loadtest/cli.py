@@ -32,7 +32,13 @@ from omnigate.loadtest.arrivals import ArrivalModel, ClosedLoop, OpenLoop
 from omnigate.loadtest.baseline import BaselineSettings, run_baseline
 from omnigate.loadtest.corpus import load_corpus
 from omnigate.loadtest.metrics import process_exists
-from omnigate.loadtest.progress import ProgressDisplay, capacity_text, compare_table, summary_table
+from omnigate.loadtest.progress import (
+    ProgressDisplay,
+    capacity_text,
+    compare_table,
+    negotiated_text,
+    summary_table,
+)
 from omnigate.loadtest.report import (
     REPORT_VERSION,
     CapacityReport,
@@ -88,6 +94,18 @@ def run_parser() -> argparse.ArgumentParser:
     target.add_argument("--target", default="ws-speech", help=f"client kind: {', '.join(target_kinds())}")
     target.add_argument("--model", help="model id sent to the server (server default when omitted)")
     target.add_argument("--voice", help="voice sent to the server (server default when omitted)")
+    target.add_argument(
+        "--format",
+        dest="response_format",
+        help="audio format asked for (default: what the target's real clients ask for: mp3 on http-speech, pcm on "
+        "ws-speech and realtime)",
+    )
+    target.add_argument(
+        "--no-compression",
+        dest="compression",
+        action="store_false",
+        help="do not offer permessage-deflate on WebSocket handshakes (browsers and websockets clients offer it)",
+    )
     add_api_key_option(parser)
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -146,6 +164,12 @@ def baseline_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-ms", type=int, default=defaults.chunk_ms)
     parser.add_argument("--ms-per-char", type=float, default=defaults.ms_per_char)
     parser.add_argument("--sample-rate", type=int, default=defaults.sample_rate)
+    parser.add_argument(
+        "--compression",
+        action="store_true",
+        help="accept permessage-deflate when offered, as a websockets server at its defaults does (default: answer "
+        "no extension, like the gateway's media routes)",
+    )
     return parser
 
 
@@ -198,6 +222,8 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
         utterance_timeout_s=args.utterance_timeout,
         connect_timeout_s=args.connect_timeout,
         api_key=api_key,
+        compression=args.compression,
+        response_format=args.response_format,
     )
     level_settings = LevelSettings(
         duration_s=args.duration,
@@ -269,6 +295,8 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
             corpus=str(args.corpus) if args.corpus else "shipped",
             corpus_entries=len(corpus),
             api_key_sent=api_key is not None,
+            compression_offered=args.compression,
+            response_format=args.response_format,
         ),
         levels=levels,
         capacity=capacity,
@@ -282,6 +310,7 @@ def _finish(
 ) -> int:
     if not args.quiet:
         console.print(summary_table(report.levels))
+        console.print(negotiated_text(report.levels))
         if report.capacity is not None:
             console.print(capacity_text(report.capacity))
         if report.compare is not None:
@@ -336,6 +365,7 @@ async def _baseline_until_stopped(args: argparse.Namespace) -> int:
         ms_per_char=args.ms_per_char,
         rtf=args.rtf,
         first_chunk_ms=args.first_chunk_ms,
+        compression=args.compression,
     )
     await run_baseline(args.host, args.port, settings)
     return 0
@@ -357,7 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(arguments)
     _validate(parser, args)
     try:
-        target_class(args.target)
+        formats = target_class(args.target).formats
+        if args.response_format is not None and args.response_format not in formats:
+            raise ValueError(f"--format: the {args.target} target measures {', '.join(formats)}")
         api_key = resolve_api_key(args.api_key, os.environ)
     except ValueError as exc:
         parser.error(str(exc))

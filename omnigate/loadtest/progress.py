@@ -159,6 +159,19 @@ def summary_table(levels: list[LevelReport]) -> Table:
     return table
 
 
+def negotiated_text(levels: list[LevelReport]) -> Text:
+    """What the server answered on each level: extensions, formats, content types, with the sessions per answer."""
+    text = Text("negotiated", style="bold")
+    for level in levels:
+        load = arrival_label(level.arrival) + ("" if level.round is None else f" r{level.round + 1}")
+        answers = "; ".join(
+            f"{key} " + ", ".join(f"{value} ({count})" for value, count in values.items())
+            for key, values in level.negotiated.items()
+        )
+        text.append(f"\n  {level.target.label} @ {load}: {answers or 'nothing recorded'}")
+    return text
+
+
 def capacity_text(capacity: CapacityReport) -> Text:
     result = capacity.result
     text = Text(f"Capacity of {capacity.target.label}: ", style="bold")

@@ -59,8 +59,14 @@ class AudioDoneEvent(msgspec.Struct, tag="audio.done", tag_field="type"):
 
 
 class SessionDoneEvent(msgspec.Struct, tag="session.done", tag_field="type"):
+    """The utterance's terminal event. ``status`` is ``completed`` unless something ended it early (``error``,
+    ``max_duration``, ``cancelled`` ...); servers that send no status mean ``completed``."""
+
     total_sentences: int
     utterance_index: int = 0
+    status: str = "completed"
+    error: str | msgspec.UnsetType = msgspec.UNSET
+    """What ended the utterance, when the server says (left out of the message otherwise)."""
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):

@@ -48,6 +48,10 @@ class RunSettings(msgspec.Struct, frozen=True):
     corpus_entries: int
     api_key_sent: bool = False
     """Whether the clients presented an API key (the key itself is never recorded)."""
+    compression_offered: bool = True
+    """Whether WebSocket handshakes offered ``permessage-deflate`` (what the server answered is per level)."""
+    response_format: str | None = None
+    """The audio format asked for; ``None``: each target's default."""
 
 
 class UtteranceRecord(msgspec.Struct, frozen=True):
@@ -161,6 +165,9 @@ class LevelReport(msgspec.Struct, frozen=True):
     server_metrics: list[MetricSeries]
     metrics_error: str | None
     session_records: list[SessionRecord]
+    negotiated: dict[str, dict[str, int]] = {}
+    """What the servers answered, by key (``websocket_extensions``, ``format``, ``content_type`` ...): measured
+    sessions per answer."""
 
 
 class CapacityReport(msgspec.Struct, frozen=True):
@@ -220,10 +227,13 @@ def summarize_level(
 ) -> LevelReport:
     """Compute a level's report from the session traces of one run, or of several runs pooled.
 
-    Sessions started during a run's warm-up are left out. The per-second throughput is given for a single run only.
+    A level measures the utterances that begin after a run's warm-up, whatever session they belong to, so sessions
+    longer than the level are measured too. A session is measured when it started after the warm-up or has such an
+    utterance; every error it met counts (errors carry no time, and a level must not pass on a doubt). The
+    per-second throughput is given for a single run only.
     """
     traces = [trace for run in runs for trace in run.traces]
-    measured_runs = [(run, [t for t in run.traces if t.started_s - run.start_s >= warmup_s]) for run in runs]
+    measured_runs = [(run, [t for t in run.traces if _is_measured(t, run.start_s + warmup_s)]) for run in runs]
     measured = [trace for _, run_measured in measured_runs for trace in run_measured]
     starts = {id(trace): run.start_s for run, run_measured in measured_runs for trace in run_measured}
     records: list[SessionRecord] = []
@@ -249,7 +259,10 @@ def summarize_level(
             connect_ms = (trace.connected_s - trace.started_s) * 1000.0
             connects.append(connect_ms)
         utterance_records: list[UtteranceRecord] = []
+        warmup_end_s = starts[id(trace)] + warmup_s
         for utterance in trace.utterances:
+            if utterance.started_s < warmup_end_s:
+                continue
             utterance_status[utterance.status] += 1
             played = utterance.play(jitter_ms)
             utterance_gaps = utterance.gaps_ms()
@@ -296,6 +309,15 @@ def summarize_level(
         )
     session_status = Counter(t.status for t in measured)
     ttfa_distribution = distribution(ttfa)
+    negotiated: dict[str, Counter[str]] = {}
+    for trace in measured:
+        for key, value in trace.negotiated.items():
+            negotiated.setdefault(key, Counter())[value] += 1
+    unfinished = Unfinished(
+        failed=utterance_status["failed"],
+        cut_off=utterance_status["cut_off"],
+        cut_off_connecting=sum(1 for t in measured if t.status == "cut_off" and t.connected_s is None),
+    )
     return LevelReport(
         target=target,
         arrival=arrival,
@@ -331,12 +353,33 @@ def summarize_level(
         bytes=total_bytes,
         errors=dict(errors),
         error_examples=error_examples,
-        slo=slo_verdict(ttfa_distribution, underruns, errors, slo_ttfa_ms, measured_sessions=len(measured)),
+        slo=slo_verdict(
+            ttfa_distribution, underruns, errors, slo_ttfa_ms, measured_sessions=len(measured), unfinished=unfinished
+        ),
         throughput=throughput_series(runs[0].traces, runs[0].start_s, runs[0].wall_s) if len(runs) == 1 else [],
         server_metrics=server_metrics,
         metrics_error=metrics_error,
         session_records=records,
+        negotiated={key: dict(sorted(values.items())) for key, values in sorted(negotiated.items())},
     )
+
+
+def _is_measured(trace: SessionTrace, warmup_end_s: float) -> bool:
+    return trace.started_s >= warmup_end_s or any(u.started_s >= warmup_end_s for u in trace.utterances)
+
+
+class Unfinished(NamedTuple):
+    """Measured work that did not complete: each fails the level, as an error does."""
+
+    failed: int = 0
+    """Utterances that ended early (a non-completed terminal status, a cut-short body, an error)."""
+    cut_off: int = 0
+    """Utterances still running when the drain ended."""
+    cut_off_connecting: int = 0
+    """Sessions still connecting when the drain ended."""
+
+
+_ALL_FINISHED = Unfinished()
 
 
 def slo_verdict(
@@ -345,17 +388,26 @@ def slo_verdict(
     errors: Counter[str] | dict[str, int],
     slo_ttfa_ms: float,
     measured_sessions: int,
+    unfinished: Unfinished = _ALL_FINISHED,
 ) -> SloVerdict:
-    """Pass only with measured utterances, no errors, no underruns and p99 TTFA strictly under the SLO."""
+    """Pass only with measured utterances, all completed, no errors, no underruns and p99 TTFA strictly under the
+    SLO. Utterances that failed or were cut off at the end of the drain, and sessions that never connected, fail the
+    level: under overload they are the slowest sessions, and leaving them out would flatter it."""
     reasons: list[str] = []
     if measured_sessions == 0:
-        reasons.append("no session started after the warm-up (lengthen --duration or shorten --warmup)")
+        reasons.append("no utterance began after the warm-up (lengthen --duration or shorten --warmup)")
     elif ttfa.count == 0 or ttfa.p99 is None:
         reasons.append("no utterance completed with audio")
     elif ttfa.p99 >= slo_ttfa_ms:
         reasons.append(f"p99 TTFA {ttfa.p99:.1f} ms >= {slo_ttfa_ms:g} ms")
     if underruns:
         reasons.append(f"{underruns} underruns")
+    if unfinished.failed:
+        reasons.append(f"{unfinished.failed} utterances ended before completing")
+    if unfinished.cut_off:
+        reasons.append(f"{unfinished.cut_off} utterances cut off at the end of the drain")
+    if unfinished.cut_off_connecting:
+        reasons.append(f"{unfinished.cut_off_connecting} sessions still connecting at the end of the drain")
     error_count = sum(errors.values())
     if error_count:
         reasons.append(f"{error_count} errors")

@@ -170,6 +170,8 @@ class LevelRun:
 
     def _new_trace(self) -> SessionTrace:
         trace = SessionTrace(next(self._session_ids), time.perf_counter())
+        # Sessions finish the utterance in flight when the level stops; the drain is for that, not for more.
+        trace.last_utterance_start_s = self.stop_s
         self.traces.append(trace)
         return trace
 

@@ -7,6 +7,7 @@ the measuring path does nothing but append to lists.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from typing import Literal
 
@@ -45,9 +46,11 @@ class UtteranceTrace:
         self.units += 1
         self.sample_rate = sample_rate
 
-    def audio(self, now_s: float, nbytes: int) -> None:
-        """A chunk of mono s16le PCM at the current unit's sample rate arrived."""
-        self.arrivals.append((now_s, nbytes / 2 * 1000.0 / self.sample_rate, nbytes))
+    def audio(self, now_s: float, nbytes: int, audio_ms: float | None = None) -> None:
+        """A chunk of ``nbytes`` arrived: mono s16le PCM at the current unit's sample rate, or, for an encoded
+        format, ``audio_ms`` of audio (what decoding it gave)."""
+        duration_ms = nbytes / 2 * 1000.0 / self.sample_rate if audio_ms is None else audio_ms
+        self.arrivals.append((now_s, duration_ms, nbytes))
         self.bytes += nbytes
 
     def finish(self, now_s: float, status: UtteranceStatus) -> None:
@@ -119,9 +122,21 @@ class SessionTrace:
         self.error_details: dict[str, str] = {}
         """The first message seen for each error code."""
         self.status: SessionStatus = "running"
+        self.negotiated: dict[str, str] = {}
+        """What the server answered to what the client asked: WebSocket extensions, audio format, content type."""
+        self.last_utterance_start_s = math.inf
+        """The level stops at this time: no utterance should begin later (the runner sets it)."""
 
     def connected(self, now_s: float) -> None:
         self.connected_s = now_s
+
+    def record_negotiated(self, key: str, value: str) -> None:
+        """What was agreed for ``key`` on this session (the first answer is kept)."""
+        self.negotiated.setdefault(key, value)
+
+    def may_begin_utterance(self, now_s: float) -> bool:
+        """Whether a new utterance may begin now; a session that may not should close (the level is over)."""
+        return now_s < self.last_utterance_start_s
 
     def begin_utterance(self, now_s: float, text: str) -> UtteranceTrace:
         utterance = UtteranceTrace(len(self.utterances), text, now_s)

@@ -56,7 +56,7 @@ async def test_one_utterance_gets_the_protocol_events_and_audio_of_its_length() 
     expected = round(len("Hello there.") * 60 * 24) * 2 + round(len("Bye") * 60 * 24) * 2
     assert audio_bytes == expected
     assert events[1]["total_bytes"] == round(len("Hello there.") * 60 * 24) * 2
-    assert events[4] == {"type": "session.done", "total_sentences": 2, "utterance_index": 0}
+    assert events[4] == {"type": "session.done", "total_sentences": 2, "utterance_index": 0, "status": "completed"}
 
 
 async def test_other_paths_are_refused() -> None:

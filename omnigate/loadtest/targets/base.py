@@ -23,6 +23,10 @@ class SessionSettings(msgspec.Struct, frozen=True):
     connect_timeout_s: float = 10.0
     api_key: ApiKey | None = None
     """Sent as ``Authorization: Bearer`` on every request and WebSocket handshake."""
+    compression: bool = True
+    """Offer ``permessage-deflate`` on WebSocket handshakes, as browsers and the ``websockets`` library do."""
+    response_format: str | None = None
+    """The audio format asked for; ``None`` asks for the target's default (what its real clients ask for)."""
 
 
 class Target(abc.ABC):
@@ -33,10 +37,17 @@ class Target(abc.ABC):
     """
 
     kind: ClassVar[str]
+    formats: ClassVar[tuple[str, ...]] = ("pcm",)
+    """The audio formats the target can ask for and measure; the first is its real clients' default."""
 
     def __init__(self, spec: TargetSpec, settings: SessionSettings) -> None:
         self.spec = spec
         self.settings = settings
+        fmt = settings.response_format or self.formats[0]
+        if fmt not in self.formats:
+            raise ValueError(f"the {self.kind} target measures {', '.join(self.formats)}, not {fmt!r}")
+        self.response_format = fmt
+        """The format every session asks for."""
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Acquire resources shared by all sessions (connection pools)."""

@@ -144,7 +144,13 @@ class RealtimeTarget(Target):
         """From response.cancel sent to that response's response.done received, ms."""
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace, self.auth_headers())
+        connection = await connect_traced(
+            self.url,
+            self.settings.connect_timeout_s,
+            trace,
+            self.auth_headers(),
+            compression=self.settings.compression,
+        )
         if connection is None:
             return
         async with connection:
@@ -167,6 +173,8 @@ class RealtimeTarget(Target):
             mic = _Microphone(self.options.append_ms)
             microphone = asyncio.create_task(mic.run(lambda event: self._send(connection, sending, event)))
             for text in texts:
+                if not trace.may_begin_utterance(time.perf_counter()):
+                    break
                 utterance = trace.begin_utterance(time.perf_counter(), text)
                 utterance.unit_started(text, RATE)
                 state.speech_stopped.clear()
@@ -241,7 +249,9 @@ class RealtimeTarget(Target):
         kind = event.type
         turn = state.turn
         if kind == "session.created":
-            state.duplex = bool(((event.session or {}).get("capabilities") or {}).get("native_duplex"))
+            session = event.session or {}
+            state.duplex = bool((session.get("capabilities") or {}).get("native_duplex"))
+            trace.record_negotiated("format", output_format(session))
             state.created.set()
         elif kind == "input_audio_buffer.speech_stopped":
             state.speech_stopped.set()
@@ -277,10 +287,22 @@ class RealtimeTarget(Target):
             status = response.get("status")
             turn.cancelled = status == "cancelled"
             turn.done_s = now_s
-            if status == "failed":
-                trace.error("response_failed", str(response.get("status_details")))
-            turn.utterance.finish(now_s, "completed" if status in ("completed", "cancelled") else "failed")
+            # A response the client cancelled (barge-in) ended as asked; any other end short of completed was heard
+            # by the user as a cut-off reply.
+            if status == "completed" or (turn.cancelled and turn.cancel_sent_s is not None):
+                turn.utterance.finish(now_s, "completed")
+            else:
+                trace.error(f"response_{status}", str(response.get("status_details")))
+                turn.utterance.finish(now_s, "failed")
             turn.done.set()
+
+
+def output_format(session: dict[str, Any]) -> str:
+    """The output audio format a ``session.created`` announces (``audio/pcm 24000 Hz``), or ``unannounced``."""
+    fmt = ((session.get("audio") or {}).get("output") or {}).get("format")
+    if not isinstance(fmt, dict) or "type" not in fmt:
+        return "unannounced"
+    return f"{fmt['type']} {fmt['rate']} Hz" if "rate" in fmt else str(fmt["type"])
 
 
 class _Microphone:

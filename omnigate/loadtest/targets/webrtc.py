@@ -41,6 +41,7 @@ from omnigate.loadtest.protocol import (
     SessionDoneEvent,
 )
 from omnigate.loadtest.targets.base import Target, http_url
+from omnigate.loadtest.targets.ws_speech import finish_utterance
 from omnigate.loadtest.traces import SessionTrace, UtteranceTrace
 
 CALLS_PATH = "/v1/realtime/calls"
@@ -74,6 +75,20 @@ def is_loopback_url(url: str) -> bool:
 def is_silent(frame: av.AudioFrame) -> bool:
     """True when every sample is zero (the server's idle track sends Opus silence, which decodes to zeros)."""
     return not np.any(frame.to_ndarray())
+
+
+def answer_audio_codec(sdp: str) -> str:
+    """The first codec of the audio media section of an SDP answer (``opus/48000/2``), or ``none``."""
+    in_audio = False
+    payloads: list[str] = []
+    for line in sdp.splitlines():
+        if line.startswith("m="):
+            fields = line[2:].split()
+            in_audio = fields[:1] == ["audio"]
+            payloads = fields[3:] if in_audio else []
+        elif in_audio and payloads and line.startswith(f"a=rtpmap:{payloads[0]} "):
+            return line.split(" ", 1)[1].strip().lower()
+    return "none"
 
 
 class CallRefused(Exception):
@@ -127,6 +142,11 @@ class SpeechPeer:
             raise CallRefused(response.status_code, response.text)
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=response.text, type="answer"))
         await self.opened.wait()
+
+    def audio_codec(self) -> str:
+        """The audio codec of the server's answer (``opus/48000/2``), or ``none`` before one was applied."""
+        answer = self.pc.remoteDescription
+        return answer_audio_codec(answer.sdp) if answer is not None else "none"
 
     def send(self, message: ClientMessage) -> None:
         self.channel.send(CLIENT_ENCODER.encode(message).decode())
@@ -208,6 +228,10 @@ class _Receiving:
             if event.error:
                 self.trace.error("audio_done_error")
         elif isinstance(event, SessionDoneEvent):
+            if event.status != "completed":
+                # Ended early: the audio still in flight does not make it whole.
+                finish_utterance(self.trace, utterance, now_s, event)
+                self.done.set()
             self.server_done = True
 
 
@@ -252,15 +276,19 @@ class WebRtcTarget(Target):
                 trace.error("connect_failed", str(exc))
                 return
             trace.connected(time.perf_counter())
+            trace.record_negotiated("audio_codec", peer.audio_codec())
             await self._converse(peer, texts, trace, state)
         finally:
             await peer.close()
 
     async def _converse(self, peer: SpeechPeer, texts: Sequence[str], trace: SessionTrace, state: _Receiving) -> None:
+        # The track carries the audio (Opus); the data channel's format setting only shapes the events.
         peer.send(
             SessionConfigMessage(response_format="pcm", stream_audio=True, model=self.spec.model, voice=self.spec.voice)
         )
         for text in texts:
+            if not trace.may_begin_utterance(time.perf_counter()):
+                break
             utterance = trace.begin_utterance(time.perf_counter(), text)
             state.begin(utterance)
             if not await self._send_text(peer, utterance):

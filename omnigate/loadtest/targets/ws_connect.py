@@ -1,4 +1,8 @@
-"""Opening a load-test WebSocket, with every way it can fail recorded on the session's trace."""
+"""Opening a load-test WebSocket, with every way it can fail recorded on the session's trace.
+
+By default the handshake offers ``permessage-deflate`` as browsers and the ``websockets`` library at its defaults
+do, so the server is measured with what its real clients negotiate; the answer is recorded on the trace.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +16,26 @@ from omnigate.loadtest.traces import SessionTrace
 
 CLOSE_WAIT_S = 5.0
 MAX_MESSAGE_BYTES = 16 * 2**20
+EXTENSIONS_KEY = "websocket_extensions"
+NO_EXTENSION = "none"
 
 
 async def connect_traced(
-    url: str, connect_timeout_s: float, trace: SessionTrace, headers: Mapping[str, str] | None = None
+    url: str,
+    connect_timeout_s: float,
+    trace: SessionTrace,
+    headers: Mapping[str, str] | None = None,
+    *,
+    compression: bool = True,
 ) -> ClientConnection | None:
-    """Connect with ``headers`` on the handshake, marking the trace connected; on failure record a typed error on
-    the trace (a refused handshake as ``http_<status>``) and return None."""
+    """Connect with ``headers`` on the handshake, marking the trace connected and recording the extensions the
+    server answered; on failure record a typed error on the trace (a refused handshake as ``http_<status>``) and
+    return None. ``compression`` offers ``permessage-deflate`` (the library's and browsers' default)."""
     try:
         connection = await connect(
             url,
             additional_headers=headers,
-            compression=None,  # PCM does not compress; deflate would only burn CPU on both ends
+            compression="deflate" if compression else None,
             proxy=None,
             open_timeout=connect_timeout_s,
             ping_interval=None,
@@ -40,4 +52,12 @@ async def connect_traced(
         trace.error("connect_failed", str(exc))
         return None
     trace.connected(time.perf_counter())
+    trace.record_negotiated(EXTENSIONS_KEY, negotiated_extensions(connection))
     return connection
+
+
+def negotiated_extensions(connection: ClientConnection) -> str:
+    """The server's ``Sec-WebSocket-Extensions`` answer, or ``none``."""
+    response = connection.response
+    answer = response.headers.get("Sec-WebSocket-Extensions") if response is not None else None
+    return answer or NO_EXTENSION

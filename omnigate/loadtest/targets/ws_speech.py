@@ -52,7 +52,13 @@ class WsSpeechTarget(Target):
         return ws_url(self.spec.url, SPEECH_STREAM_PATH)
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        connection = await connect_traced(self.url, self.settings.connect_timeout_s, trace, self.auth_headers())
+        connection = await connect_traced(
+            self.url,
+            self.settings.connect_timeout_s,
+            trace,
+            self.auth_headers(),
+            compression=self.settings.compression,
+        )
         if connection is None:
             return
         async with connection:
@@ -63,10 +69,15 @@ class WsSpeechTarget(Target):
         reader = asyncio.create_task(self._read(connection, trace, state))
         try:
             config = SessionConfigMessage(
-                response_format="pcm", stream_audio=True, model=self.spec.model, voice=self.spec.voice
+                response_format=self.response_format,
+                stream_audio=True,
+                model=self.spec.model,
+                voice=self.spec.voice,
             )
             await connection.send(CLIENT_ENCODER.encode(config).decode())
             for text in texts:
+                if not trace.may_begin_utterance(time.perf_counter()):
+                    break
                 utterance = trace.begin_utterance(time.perf_counter(), text)
                 state.utterance = utterance
                 state.done.clear()
@@ -143,10 +154,21 @@ class WsSpeechTarget(Target):
         elif utterance is None:
             trace.error("protocol_event_outside_utterance")
         elif isinstance(event, AudioStartEvent):
+            trace.record_negotiated("format", f"{event.format} {event.sample_rate} Hz")
             utterance.unit_started(event.sentence_text, event.sample_rate)
         elif isinstance(event, AudioDoneEvent):
             if event.error:
                 trace.error("audio_done_error")
         elif isinstance(event, SessionDoneEvent):
-            utterance.finish(now_s, "completed")
+            finish_utterance(trace, utterance, now_s, event)
             state.done.set()
+
+
+def finish_utterance(trace: SessionTrace, utterance: UtteranceTrace, now_s: float, event: SessionDoneEvent) -> None:
+    """End ``utterance`` on its ``session.done``: anything but ``completed`` is a failure with its status as code
+    (a listener heard the utterance end early)."""
+    if event.status == "completed":
+        utterance.finish(now_s, "completed")
+        return
+    trace.error(f"utterance_{event.status}", event.error if isinstance(event.error, str) else None)
+    utterance.finish(now_s, "failed")
