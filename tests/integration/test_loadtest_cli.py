@@ -56,9 +56,9 @@ def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Baseline:
     """``omnigate-loadtest baseline`` in a child process on a port the system picked."""
 
-    def __init__(self, rtf: float) -> None:
+    def __init__(self, rtf: float, *options: str) -> None:
         self.process = subprocess.Popen(
-            [LOADTEST, "baseline", "--port", "0", "--rtf", str(rtf)],
+            [LOADTEST, "baseline", "--port", "0", "--rtf", str(rtf), *options],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -199,11 +199,52 @@ def test_gateway_with_a_fast_synthetic_engine_has_no_underruns(
     )
     (level,) = report.levels
     assert_clean(level)
+    assert report.settings.compression_offered
+    if target == "ws-speech":
+        # Offered, as clients at their defaults do; the media routes answer no extension.
+        assert level.negotiated["websocket_extensions"] == {"none": level.sessions.measured}
+        assert sum(level.negotiated["format"].values()) == level.sessions.measured
+    else:
+        # The OpenAI SDK's default format, decoded for its duration.
+        assert level.negotiated == {
+            "content_type": {"audio/mpeg": level.sessions.measured},
+            "format": {"mp3": level.sessions.measured},
+        }
+        assert level.audio_s > 0
     assert level.metrics_error is None
     names = {series.name for series in level.server_metrics}
     assert f'omnigate_sessions_active{{transport="{target}"}}' in names
     generated = next(s for s in level.server_metrics if s.name.startswith("omnigate_engine_generated_audio_seconds"))
     assert generated.delta > 0
+
+
+def test_utterances_the_server_ends_short_of_completed_fail_the_level(tmp_path: Path, corpus_file: Path) -> None:
+    # Every text of the corpus needs more than half a second of audio: each utterance ends with max_duration.
+    with serve(Settings(engine="synthetic", model="rtf=0.1", max_utterance_audio_s=0.5)) as capped:
+        report = run_cli(tmp_path, corpus_file, capped.http_url, "--sessions", "1", "--duration", "1", "--warmup", "0")
+    (level,) = report.levels
+    assert level.utterances.completed == 0
+    assert level.utterances.failed == level.utterances.total > 0
+    assert level.errors == {"utterance_max_duration": level.utterances.total}
+    assert not level.slo.passed
+
+
+@pytest.mark.parametrize(("options", "answer"), [((), "permessage-deflate"), (("--no-compression",), "none")])
+def test_the_negotiated_extensions_are_reported(
+    tmp_path: Path, corpus_file: Path, options: tuple[str, ...], answer: str
+) -> None:
+    deflating = Baseline(0.1, "--compression")
+    try:
+        report = run_cli(
+            tmp_path, corpus_file, deflating.url, "--sessions", "1", "--duration", "1", "--warmup", "0", *options
+        )
+    finally:
+        deflating.stop()
+    (level,) = report.levels
+    assert_clean(level)
+    assert report.settings.compression_offered == (not options)
+    (extensions,) = level.negotiated["websocket_extensions"]
+    assert extensions.split(";")[0] == answer
 
 
 def test_gateway_with_a_slowed_synthetic_engine_underruns(tmp_path: Path, corpus_file: Path) -> None:

@@ -44,6 +44,8 @@ async def test_a_voice_agent_turn_against_a_tts_engine(synthetic_server: Running
     await target.run_session(["Sure, a table for two at eight."], trace)
     trace.end(time.perf_counter())
     assert trace.status == "completed", dict(trace.errors)
+    # The client offered permessage-deflate, as clients at their defaults do; media routes answer none.
+    assert trace.negotiated == {"websocket_extensions": "none", "format": "audio/pcm 24000 Hz"}
     (utterance,) = trace.utterances
     assert utterance.status == "completed" and utterance.audio_ms > 1000.0
     latency = utterance.ttfa_ms()

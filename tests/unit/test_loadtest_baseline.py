@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from omnigate.loadtest.baseline import BaselineSettings, baseline_server, bound_address, split_units, tone_chunk
+from omnigate.loadtest.report import TargetSpec
+from omnigate.loadtest.targets.base import SessionSettings
+from omnigate.loadtest.targets.ws_connect import EXTENSIONS_KEY, connect_traced
+from omnigate.loadtest.targets.ws_speech import WsSpeechTarget
+from omnigate.loadtest.traces import SessionTrace
 
 
 def test_sentences_are_released_at_punctuation_followed_by_whitespace() -> None:
@@ -65,3 +71,39 @@ async def test_other_paths_are_refused() -> None:
         with pytest.raises(InvalidStatus) as refused:
             await connect(f"ws://{host}:{port}/elsewhere")
     assert refused.value.response.status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("server_accepts", "client_offers", "answer"),
+    [
+        (False, True, "none"),
+        (True, True, "permessage-deflate"),
+        (True, False, "none"),
+    ],
+)
+async def test_the_load_test_offers_compression_by_default_and_records_the_answer(
+    server_accepts: bool, client_offers: bool, answer: str
+) -> None:
+    settings = BaselineSettings(rtf=0.0, compression=server_accepts)
+    async with baseline_server("127.0.0.1", 0, settings) as server:
+        host, port = bound_address(server)
+        spec = TargetSpec(label="baseline", target="ws-speech", url=f"ws://{host}:{port}")
+        target = WsSpeechTarget(spec, SessionSettings(words_per_second=0, compression=client_offers))
+        trace = SessionTrace(0, time.perf_counter())
+        await target.run_session(["Hello there."], trace)
+        trace.end(time.perf_counter())
+    assert trace.status == "completed", trace.errors
+    assert trace.negotiated[EXTENSIONS_KEY].split(";")[0] == answer
+    assert trace.negotiated["format"] == "pcm 24000 Hz"
+
+
+async def test_a_client_at_the_default_offers_permessage_deflate() -> None:
+    async with baseline_server("127.0.0.1", 0, BaselineSettings(rtf=0.0)) as server:
+        host, port = bound_address(server)
+        trace = SessionTrace(0, 0.0)
+        connection = await connect_traced(f"ws://{host}:{port}/v1/audio/speech/stream", 5.0, trace)
+        assert connection is not None
+        async with connection:
+            assert connection.request is not None
+            assert "permessage-deflate" in connection.request.headers["Sec-WebSocket-Extensions"]
+    assert trace.negotiated == {EXTENSIONS_KEY: "none"}

@@ -253,3 +253,111 @@ def test_report_round_trips_through_json() -> None:
     )
     decoded = msgspec.json.decode(msgspec.json.encode(report), type=LoadTestReport)
     assert decoded == report
+
+
+def summarize(traces: list[SessionTrace], warmup_s: float = 0.0, start_s: float = 0.0) -> LevelReport:
+    return summarize_level(
+        [LevelTraces(traces, start_s, 10.0)],
+        target=SPEC,
+        arrival=ClosedLoop(sessions=len(traces)),
+        round_index=None,
+        duration_s=10.0,
+        warmup_s=warmup_s,
+        jitter_ms=100.0,
+        slo_ttfa_ms=100.0,
+        client_cpu_percent=None,
+        server_metrics=[],
+        metrics_error=None,
+    )
+
+
+def test_an_utterance_cut_off_at_the_end_of_the_drain_fails_the_level() -> None:
+    cut = SessionTrace(1, 0.5)
+    cut.connected(0.501)
+    slow = cut.begin_utterance(0.501, "Still talking.")
+    slow.text_sent(0.501, 14)
+    slow.audio(0.55, CHUNK_BYTES)
+    cut.cut_off(9.0)
+    report = summarize([completed_session(0, start_s=0.1), cut])
+    assert report.utterances.cut_off == 1
+    assert not report.slo.passed
+    assert "1 utterances cut off at the end of the drain" in report.slo.reasons
+    assert consistency_problems(report) == []
+
+
+def test_a_session_still_connecting_at_the_end_of_the_drain_fails_the_level() -> None:
+    connecting = SessionTrace(1, 0.5)
+    connecting.cut_off(9.0)
+    report = summarize([completed_session(0, start_s=0.1), connecting])
+    assert report.sessions.cut_off == 1
+    assert not report.slo.passed
+    assert "1 sessions still connecting at the end of the drain" in report.slo.reasons
+
+
+def test_a_session_cut_off_between_utterances_does_not_fail_the_level() -> None:
+    closing = completed_session(1, start_s=0.2)
+    closing.status = "running"  # the last utterance completed; the close handshake was still under way
+    closing.cut_off(9.0)
+    report = summarize([completed_session(0, start_s=0.1), closing])
+    assert report.utterances.cut_off == 0
+    assert report.slo.passed, report.slo.reasons
+
+
+def test_an_utterance_that_ended_early_fails_the_level_even_without_an_error() -> None:
+    trace = completed_session(1, start_s=0.2)
+    trace.utterances[0].status = "failed"
+    report = summarize([completed_session(0, start_s=0.1), trace])
+    assert report.utterances.failed == 1
+    assert "1 utterances ended before completing" in report.slo.reasons
+
+
+def long_session(session_id: int, start_s: float, utterances: int, every_s: float) -> SessionTrace:
+    """A session that speaks ``utterances`` one after another, each ``every_s`` long."""
+    trace = SessionTrace(session_id, start_s)
+    trace.connected(start_s + 0.001)
+    for index in range(utterances):
+        begin_s = start_s + 0.001 + index * every_s
+        utterance = trace.begin_utterance(begin_s, "Hello there.")
+        utterance.text_sent(begin_s, len("Hello there."))
+        last = receive_audio(utterance, begin_s + 0.03, chunks=5)
+        utterance.finish(last + 0.001, "completed")
+    trace.end(start_s + utterances * every_s)
+    return trace
+
+
+def test_sessions_that_all_started_during_the_ramp_are_measured_by_their_later_utterances() -> None:
+    # Every session starts in the first second (the ramp), well inside a 4 s warm-up, and speaks for 10 s.
+    traces = [long_session(i, start_s=0.25 * i, utterances=20, every_s=0.5) for i in range(4)]
+    report = summarize(traces, warmup_s=4.0)
+    assert report.sessions.warmup == 0
+    assert report.sessions.measured == 4
+    begun_after_warmup = sum(1 for t in traces for u in t.utterances if u.started_s >= 4.0)
+    assert report.utterances.total == report.utterances.completed == begun_after_warmup > 0
+    assert report.ttfa_ms.count == begun_after_warmup
+    assert all(r.index >= 7 for s in report.session_records for r in s.utterances)
+    assert report.slo.passed, report.slo.reasons
+    assert consistency_problems(report) == []
+
+
+def test_a_level_with_nothing_begun_after_the_warm_up_says_so() -> None:
+    report = summarize([long_session(0, start_s=0.0, utterances=2, every_s=0.5)], warmup_s=4.0)
+    assert report.sessions.warmup == 1
+    assert not report.slo.passed
+    assert report.slo.reasons[0].startswith("no utterance began after the warm-up")
+
+
+def test_the_negotiated_answers_are_counted_per_measured_session() -> None:
+    traces = [completed_session(i, start_s=0.1 * i) for i in range(3)]
+    for trace in traces[:2]:
+        trace.record_negotiated("websocket_extensions", "none")
+    traces[2].record_negotiated("websocket_extensions", "permessage-deflate; server_max_window_bits=12")
+    traces[2].record_negotiated("websocket_extensions", "ignored: the first answer is kept")
+    for trace in traces:
+        trace.record_negotiated("format", "pcm 24000 Hz")
+    report = summarize(traces)
+    assert report.negotiated == {
+        "format": {"pcm 24000 Hz": 3},
+        "websocket_extensions": {"none": 2, "permessage-deflate; server_max_window_bits=12": 1},
+    }
+    decoded = msgspec.json.decode(msgspec.json.encode(report), type=LevelReport)
+    assert decoded.negotiated == report.negotiated
