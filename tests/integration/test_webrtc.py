@@ -344,6 +344,7 @@ async def test_the_loadtest_target_measures_what_it_hears(rtc_synthetic_server: 
         await target.close()
     trace.end(time.perf_counter())
     assert trace.status == "completed", trace.error_details
+    assert trace.negotiated == {"audio_codec": "opus/48000/2"}
     for utterance in trace.utterances:
         assert utterance.status == "completed"
         ttfa_ms = utterance.ttfa_ms()
