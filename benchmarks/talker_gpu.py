@@ -14,8 +14,11 @@ Two phases, each in its own process so that GPU memory is measured and released 
     audio; and the naive baseline, transformers ``generate()`` plus ``MimiModel.decode`` on the same model.
 ``server``
     ``omnigate serve --engine talker --model preset:csm-1b -E device=cuda -E dtype=bfloat16`` driven over
-    WebSocket by ``omnigate-loadtest`` on the same machine: TTFA and real-time factor at fixed concurrencies, then a
-    search for the largest concurrency with zero underruns and p99 TTFA within the SLO, sampling GPU memory.
+    WebSocket by ``omnigate-loadtest`` on the same machine (``--client-processes`` processes, default 8, their
+    per-session records pooled and judged as one level): TTFA and real-time factor at fixed concurrencies, then a
+    search for the largest concurrency with zero underruns and p99 TTFA within the SLO, sampling GPU memory. The
+    clients offer ``permessage-deflate`` as clients at their defaults do (``--no-compression``: they offer nothing),
+    and each level records what the server answered.
 """
 
 from __future__ import annotations
@@ -635,9 +638,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
-def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_dir: Path) -> dict[str, Any]:
-    report_path = out_dir / f"loadtest_{sessions}.json"
-    ramp = min(args.ramp, max(0.0, sessions / 100.0))
+def client_shares(sessions: int, processes: int) -> list[int]:
+    """Sessions per client process: as even as possible, no process without a session."""
+    count = max(1, min(processes, sessions))
+    return [sessions // count + (1 if index < sessions % count else 0) for index in range(count)]
+
+
+def loadtest_command(
+    args: argparse.Namespace, url: str, pid: int, level: int, sessions: int, index: int, report_path: Path
+) -> list[str]:
+    """One client process's ``omnigate-loadtest run`` (``sessions`` of the level's ``level``); the first one also
+    samples the server."""
+    ramp = min(args.ramp, max(0.0, level / 100.0))
     command = [
         sys.executable,
         "-m",
@@ -659,47 +671,100 @@ def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_d
         "--slo-ttfa-ms",
         str(args.slo_ttfa_ms),
         "--seed",
-        "1",
-        "--server-pid",
-        str(pid),
+        str(1 + index),
         "--out",
         str(report_path),
         "--quiet",
     ]
+    command += ["--server-pid", str(pid)] if index == 0 else ["--no-metrics"]
     if args.no_compression:
         command.append("--no-compression")
+    return command
+
+
+def pooled_level(levels: list[Any], slo_ttfa_ms: float) -> dict[str, Any]:
+    """One level measured by several client processes, pooled from their per-session records and judged as one."""
+    from omnigate.loadtest.report import Unfinished, slo_verdict
+    from omnigate.loadtest.stats import distribution
+
+    records = [record for level in levels for record in level.session_records]
+    utterances = [u for record in records for u in record.utterances]
+    completed = [u for u in utterances if u.status == "completed"]
+    ttfa = distribution(u.ttfa_ms for u in completed if u.ttfa_ms is not None)
+    rtf = distribution(u.rtf for u in completed if u.rtf is not None)
+    errors: dict[str, int] = {}
+    negotiated: dict[str, dict[str, int]] = {}
+    for level in levels:
+        for code, count in level.errors.items():
+            errors[code] = errors.get(code, 0) + count
+        for key, answers in level.negotiated.items():
+            for answer, count in answers.items():
+                negotiated.setdefault(key, {})[answer] = negotiated.setdefault(key, {}).get(answer, 0) + count
+    underruns = sum(level.underruns for level in levels)
+    unfinished = Unfinished(
+        failed=sum(1 for u in utterances if u.status == "failed"),
+        cut_off=sum(1 for u in utterances if u.status == "cut_off"),
+        cut_off_connecting=sum(1 for r in records if r.status == "cut_off" and r.connect_ms is None),
+    )
+    verdict = slo_verdict(ttfa, underruns, errors, slo_ttfa_ms, measured_sessions=len(records), unfinished=unfinished)
+    return {
+        "passed": verdict.passed,
+        "reasons": verdict.reasons,
+        "ttfa_ms": {"count": ttfa.count, "p50": ttfa.p50, "p90": ttfa.p90, "p99": ttfa.p99, "max": ttfa.max},
+        "rtf": {"p50": rtf.p50, "p99": rtf.p99},
+        "underruns": underruns,
+        "utterances": {
+            "total": len(utterances),
+            "completed": len(completed),
+            "failed": unfinished.failed,
+            "cut_off": unfinished.cut_off,
+            "with_underruns": sum(1 for u in completed if u.underruns),
+        },
+        "errors": errors,
+        "negotiated": negotiated,
+        "audio_s": sum(level.audio_s for level in levels),
+        "client_cpu_percent": [level.client_cpu_percent for level in levels],
+    }
+
+
+def run_level(args: argparse.Namespace, url: str, pid: int, sessions: int, out_dir: Path) -> dict[str, Any]:
+    import msgspec
+
+    from omnigate.loadtest.report import LoadTestReport
+
+    shares = client_shares(sessions, args.client_processes)
+    paths = [out_dir / f"loadtest_{sessions}_{index}.json" for index in range(len(shares))]
+    commands = [
+        loadtest_command(args, url, pid, sessions, share, index, path)
+        for index, (share, path) in enumerate(zip(shares, paths, strict=True))
+    ]
     t0 = time.perf_counter()
     with GpuMemorySampler() as gpu:
-        done = subprocess.run(command, capture_output=True, text=True)
+        clients = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
+        failures = [client.communicate()[1] for client in clients]
     wall = time.perf_counter() - t0
-    if not report_path.exists():
-        raise RuntimeError(f"load test at {sessions} failed: {done.stderr[-2000:]}")
-    report = json.loads(report_path.read_text())
-    level = report["levels"][0]
+    missing = [index for index, path in enumerate(paths) if not path.exists()]
+    if missing:
+        raise RuntimeError(f"load test at {sessions} failed: {failures[missing[0]][-2000:]}")
+    levels = [msgspec.json.decode(path.read_bytes(), type=LoadTestReport).levels[0] for path in paths]
     summary = {
         "sessions": sessions,
-        "passed": level["slo"]["passed"],
-        "reasons": level["slo"]["reasons"],
-        "ttfa_ms": {k: level["ttfa_ms"][k] for k in ("count", "p50", "p90", "p99", "max")},
-        "rtf": {k: level["rtf"][k] for k in ("p50", "p99")},
-        "underruns": level["underruns"],
-        "utterances": level["utterances"],
-        "errors": level["errors"],
-        "negotiated": level.get("negotiated", {}),
-        "audio_s": level["audio_s"],
-        "client_cpu_percent": level["client_cpu_percent"],
+        "client_processes": len(shares),
+        **pooled_level(levels, args.slo_ttfa_ms),
         "gpu_memory_peak_mib": gpu.peak_mib,
         "gpu_utilization_mean_percent": gpu.mean_utilization,
-        "server_side": server_side(level.get("server_metrics") or [], level["wall_s"]),
+        "server_side": server_side(msgspec.to_builtins(levels[0].server_metrics), levels[0].wall_s),
         "wall_s": wall,
-        "command": shlex.join(command),
+        "commands": [shlex.join(command) for command in commands],
     }
     if not args.keep_level_reports:
-        report_path.unlink()
+        for path in paths:
+            path.unlink()
     log(
         f"level {sessions}: passed={summary['passed']} TTFA p50={summary['ttfa_ms']['p50']} "
         f"p99={summary['ttfa_ms']['p99']} underruns={summary['underruns']} reasons={summary['reasons']} "
-        f"server={json.dumps(summary['server_side'])} gpu_util={summary['gpu_utilization_mean_percent']}"
+        f"negotiated={summary['negotiated']} server={json.dumps(summary['server_side'])} "
+        f"gpu_util={summary['gpu_utilization_mean_percent']}"
     )
     return summary
 
@@ -788,6 +853,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-compression",
         action="store_true",
         help="clients offer no permessage-deflate (by default they offer it, as browsers and websockets clients do)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=8,
+        help="load-test processes per level, sessions spread evenly (so that no client process is what saturates)",
     )
     args = parser.parse_args(argv)
     args.started = time.perf_counter()
