@@ -81,6 +81,13 @@ def soak_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default="ws-speech", help="client kind (see omnigate-loadtest run --help)")
     parser.add_argument("--model")
     parser.add_argument("--voice")
+    parser.add_argument("--format", dest="response_format", help="audio format asked for (default: the target's)")
+    parser.add_argument(
+        "--no-compression",
+        dest="compression",
+        action="store_false",
+        help="do not offer permessage-deflate on WebSocket handshakes",
+    )
     add_api_key_option(parser)
     size = parser.add_argument_group("how many sessions (one of)")
     size.add_argument("--sessions", type=int, help="exactly this many concurrent sessions")
@@ -190,7 +197,12 @@ def _level_settings(args: argparse.Namespace, duration_s: float) -> LevelSetting
 async def run_soak(args: argparse.Namespace, api_key: ApiKey | None) -> SoakReport:
     corpus = load_corpus()
     spec = TargetSpec(label=args.target, target=args.target, url=args.url, model=args.model, voice=args.voice)
-    settings = SessionSettings(words_per_second=args.words_per_second, api_key=api_key)
+    settings = SessionSettings(
+        words_per_second=args.words_per_second,
+        api_key=api_key,
+        compression=args.compression,
+        response_format=args.response_format,
+    )
     target = target_class(args.target)(spec, settings)
     await target.open()
     try:
@@ -279,6 +291,9 @@ def main(argv: Sequence[str]) -> int:
     if args.duration <= 0 or args.interval <= 0 or not 0 < args.load <= 1:
         parser.error("--duration and --interval must be > 0 and --load within (0, 1]")
     try:
+        formats = target_class(args.target).formats
+        if args.response_format is not None and args.response_format not in formats:
+            raise ValueError(f"--format: the {args.target} target measures {', '.join(formats)}")
         api_key = resolve_api_key(args.api_key, os.environ)
     except ValueError as exc:
         parser.error(str(exc))

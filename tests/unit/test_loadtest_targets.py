@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from omnigate.loadtest import targets
+from omnigate.loadtest.cli import main
 from omnigate.loadtest.report import TargetSpec
 from omnigate.loadtest.targets import SessionSettings, Target, register_target, target_class, target_kinds
 from omnigate.loadtest.targets.base import http_url, ws_url
@@ -51,3 +52,18 @@ def test_urls_follow_the_scheme_of_each_transport() -> None:
 def test_metrics_url_is_on_the_target_server() -> None:
     spec = TargetSpec(label="a", target="ws-speech", url="ws://h:4")
     assert WsSpeechTarget(spec, SessionSettings()).metrics_url() == "http://h:4/metrics"
+
+
+def test_each_target_asks_for_what_its_real_clients_ask_for_by_default() -> None:
+    spec = TargetSpec(label="a", target="http-speech", url="http://h:4")
+    assert HttpSpeechTarget(spec, SessionSettings()).response_format == "mp3"
+    assert HttpSpeechTarget(spec, SessionSettings(response_format="pcm")).response_format == "pcm"
+    assert WsSpeechTarget(spec, SessionSettings()).response_format == "pcm"
+    assert SessionSettings().compression
+
+
+def test_the_cli_refuses_a_format_the_target_cannot_measure(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--target", "ws-speech", "--format", "mp3"])
+    assert exit_info.value.code == 2
+    assert "ws-speech target measures pcm" in capsys.readouterr().err
