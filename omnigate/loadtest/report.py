@@ -18,7 +18,9 @@ from omnigate.loadtest.capacity import CapacityResult
 from omnigate.loadtest.stats import Distribution, distribution, ratio
 from omnigate.loadtest.traces import SessionStatus, SessionTrace, UtteranceStatus
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+"""2: utterances are measured by when they began, unfinished ones fail the level, and what was negotiated is
+recorded."""
 
 
 class TargetSpec(msgspec.Struct, frozen=True):
