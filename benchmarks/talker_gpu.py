@@ -275,7 +275,7 @@ def step_breakdown(engine: Any, rows: int, context: int) -> dict[str, float]:
         "codec_and_pcm_ms": _cuda_time_ms(_graph(codec_and_pcm)),
     }
     parts["depth_decoder_ms"] = parts["depth_with_sampling_ms"] - parts["sampling_ms"]
-    host = step._host_out
+    host = step._host_out[0]
     copies = []
     for _ in range(20):
         t0 = time.perf_counter()
