@@ -49,7 +49,7 @@ from omnigate.engines.base import (
     VoiceInfo,
     validate_params,
 )
-from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
+from omnigate.engines.codec.mimi_stream import MimiStreamDecoder, cast_for_decoding
 from omnigate.engines.talker.context import ContextSegment, validate_context
 from omnigate.engines.talker.frame_step import FrameStep, StepRows
 from omnigate.engines.talker.frames import CLOSING, FrameModel
@@ -61,7 +61,6 @@ from omnigate.engines.talker.stopping import SilenceDetector, frame_limit
 from omnigate.engines.talker.stream import Segment, TalkerStream
 
 FAMILY = "talker"
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SEED_MASK = (1 << 62) - 1
 PRESET_MS_PER_CHAR = 60.0
 
@@ -75,14 +74,14 @@ class TalkerEngine(Engine):
         if options.threads is not None:
             torch.set_num_threads(options.threads)
         dtype = TORCH_DTYPES[options.dtype]
-        if options.codec_dtype is not None:
-            codec_dtype = TORCH_DTYPES[options.codec_dtype]
-        else:
-            codec_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+        codec_dtype = dtype if options.codec_dtype is None else TORCH_DTYPES[options.codec_dtype]
         csm = model.csm.to(torch.device(options.device))
         for name, child in csm.named_children():
-            # Converted separately so the codec's codebooks never pass through the lower precision.
-            child.to(codec_dtype if name == "codec_model" else dtype)
+            if name == "codec_model":
+                # The codebooks never pass through a lower precision; only the decoder's layers run in it.
+                cast_for_decoding(child, codec_dtype)
+            else:
+                child.to(dtype)
         clear_codebook_cache(csm.codec_model)
         config = csm.config
         self.codec = MimiStreamDecoder(csm.codec_model, options.max_sessions)
