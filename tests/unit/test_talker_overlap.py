@@ -233,3 +233,24 @@ async def test_served_through_the_engine_pool_with_overlap() -> None:
     assert chunk_frames(received[0]) == [1, 2, 4, 1] and chunk_frames(received[1]) == [1, 2, 4, 3]
     assert received[1][-1] == StreamDone(reason="max_duration")
     assert engine.free_slots == engine.options.max_sessions
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlapped_cuda_graph_steps_give_the_same_outputs_as_waiting_ones_on_the_gpu() -> None:
+    script = Script(
+        opens={0: 0, 1: 2, 2: 5, 3: 6},
+        texts={k: [f"Stream {k} speaks.", "More."] for k in range(4)},
+        max_audio_ms={0: 2400, 1: 1600, 2: 1200, 3: 800},
+        aborts={3: 9},
+    )
+    # Unlimited credit and a batch that holds everyone: both engines run the same rows in every device step, so
+    # the same kernels see the same shapes and the audio must match bit for bit.
+    options = {"device": "cuda", "dtype": "float32", "max_sessions": 4, "max_batch": 4, "silence_dbfs": -300.0}
+    waited = simulate(make_engine(False, **options), script)
+    engine = make_engine(True, **options)
+    assert engine.device_step.graphs is not None
+    overlapped = simulate(engine, script)
+    for k in (0, 1, 2):
+        assert audio_by_segment(overlapped[k].received) == audio_by_segment(waited[k].received)
+        assert events(overlapped[k].received) == events(waited[k].received)
+    assert engine.free_slots == 4
