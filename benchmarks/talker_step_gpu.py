@@ -46,6 +46,9 @@ ENGINE_OPTIONS = {
     "max_context": "1024",
     "top_p": "0.95",
     "repetition_penalty": "1.1",
+    # Random weights never end a unit; without the preset's per-character cap every row keeps its stream for the
+    # whole measurement, so each setting steps the same number of rows.
+    "segment_ms_per_char": "0",
 }
 
 
