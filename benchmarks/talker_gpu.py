@@ -278,7 +278,7 @@ def step_breakdown(engine: Any, rows: int, context: int) -> dict[str, float]:
         "codec_and_pcm_ms": _cuda_time_ms(_graph(codec_and_pcm)),
     }
     parts["depth_decoder_ms"] = parts["depth_with_sampling_ms"] - parts["sampling_ms"]
-    host = step._host_out
+    host = step._host_out[0]
     copies = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -337,8 +337,9 @@ def engine_steady(engine: Any, rows: int, steps: int = 15) -> dict[str, float]:
 
 
 def engine_ttfa(engine: Any, background: int, trials: int = 9) -> dict[str, float]:
-    """Wall time of the step that takes a new stream from its text to its first audio chunk, with ``background``
-    other streams mid-utterance in the same steps."""
+    """Wall time from the step that takes a new stream's text to the end of the step that returns its first audio
+    chunk (the same step, or the next one when steps overlap), with ``background`` other streams mid-utterance in
+    the same steps."""
     from omnigate.engines.base import AudioChunk
 
     others = [_open_long(engine, seed=5000 + k) for k in range(background)]
@@ -347,10 +348,13 @@ def engine_ttfa(engine: Any, background: int, trials: int = 9) -> dict[str, floa
     for trial in range(trials):
         new = _open_long(engine, seed=9000 + trial)
         t0 = time.perf_counter()
-        out = engine.step([*others, new], [1e12] * (len(others) + 1))[-1]
+        for _ in range(2):
+            out = engine.step([*others, new], [1e12] * (len(others) + 1))[-1]
+            if any(isinstance(o, AudioChunk) for o in out):
+                break
+        else:
+            raise RuntimeError("the first two steps of a stream brought no audio")
         times.append((time.perf_counter() - t0) * 1000)
-        if not any(isinstance(o, AudioChunk) for o in out):
-            raise RuntimeError("the first step of a stream brought no audio")
         engine.close(new)
     for stream in others:
         engine.close(stream)

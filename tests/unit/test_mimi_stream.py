@@ -25,7 +25,7 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def tiny_mimi(*, sliding_window: int, dtype: torch.dtype, seed: int = 0) -> Any:
+def tiny_mimi(*, sliding_window: int, dtype: torch.dtype, seed: int = 0, layer_scale: float = 0.01) -> Any:
     config = MimiConfig(
         hidden_size=64,
         num_filters=8,
@@ -38,6 +38,7 @@ def tiny_mimi(*, sliding_window: int, dtype: torch.dtype, seed: int = 0) -> Any:
         upsample_groups=64,
         num_quantizers=CODEBOOKS,
         sliding_window=sliding_window,
+        layer_scale_initial_scale=layer_scale,
     )
     torch.manual_seed(seed)
     mimi: Any = MimiModel(config)
@@ -172,3 +173,70 @@ def test_non_causal_codec_is_refused() -> None:
     )
     with pytest.raises(UnsupportedCodec):
         MimiStreamDecoder(MimiModel(config), max_slots=1)
+
+
+def snr_db(signal: torch.Tensor, estimate: torch.Tensor) -> float:
+    noise = (estimate.double() - signal.double()).pow(2).sum()
+    return float(10 * torch.log10(signal.double().pow(2).sum() / noise))
+
+
+# Rings of window - 1 + max_steps entries: max_steps 2 (one frame a call) and 3 (a frame split across pieces) wrap a
+# 5-step window's ring every few frames; 250 is Mimi's own window, outgrown by the stream too.
+@pytest.mark.parametrize(("window", "max_steps"), [(5, 2), (5, 3), (250, 16)])
+def test_ring_window_read_in_place_equals_full_decode_over_a_long_stream_in_float32(
+    window: int, max_steps: int
+) -> None:
+    # Layer scales of 1 (Mimi starts them at 0.01) make every key of the window count in the output.
+    mimi = tiny_mimi(sliding_window=window, dtype=torch.float32, layer_scale=1.0)
+    frames = 160  # 320 transformer steps: the ring wraps many times, the window evicts throughout
+    codes = torch.randint(0, 2048, (2, CODEBOOKS, frames), generator=torch.Generator().manual_seed(8))
+    reference = full_decode(mimi, codes)
+    decoder = MimiStreamDecoder(mimi, max_slots=3, max_steps=max_steps)
+    sizes = random_chunks(frames, random.Random(window + max_steps))
+    pieces, start = [], 0
+    for size in sizes:  # both sessions in one batched call, on slots whose rings sit apart
+        pieces.append(decoder.decode(codes[..., start : start + size], [2, 0]))
+        start += size
+    streamed = torch.cat(pieces, dim=-1)
+    scale = reference.abs().max().item()
+    assert (streamed - reference).abs().max().item() <= 1e-4 * scale
+    assert snr_db(reference, streamed) > 80.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bfloat16_decode_on_the_gpu_tracks_the_float32_reference_over_a_long_stream() -> None:
+    # Mimi's published shapes (random weights), 30 s per session, one frame per call as the talker step decodes;
+    # float32 without TF32, so that the float32 stream shows the ring's own error and bfloat16 the precision's.
+    from omnigate.engines.codec.mimi_stream import cast_for_decoding
+
+    torch.manual_seed(0)
+    mimi: Any = MimiModel(MimiConfig()).eval()
+    with torch.no_grad():
+        randomize_codebooks(mimi, torch.Generator().manual_seed(3))
+    mimi.cuda()
+    frames, sessions = 375, 4
+    codebooks = int(mimi.config.num_quantizers)
+    codes = torch.randint(0, 2048, (sessions, codebooks, frames), generator=torch.Generator().manual_seed(9)).cuda()
+    slots = [5, 0, 3, 1]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference = full_decode(mimi, codes).float()
+        streamed = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            cast_for_decoding(mimi, dtype)
+            decoder = MimiStreamDecoder(mimi, max_slots=8)
+            pieces = [decoder.decode(codes[..., t : t + 1], slots).float() for t in range(frames)]
+            streamed[dtype] = torch.cat(pieces, dim=-1)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    scale = reference.abs().max().item()
+    errors = {dtype: (audio - reference).abs().max().item() / scale for dtype, audio in streamed.items()}
+    snrs = {dtype: snr_db(reference, audio) for dtype, audio in streamed.items()}
+    print(
+        f"\nmimi stream vs float32 full decode, {sessions} sessions x {frames} frames: "
+        f"float32 SNR {snrs[torch.float32]:.1f} dB, max error {errors[torch.float32]:.2e} of the peak; "
+        f"bfloat16 SNR {snrs[torch.bfloat16]:.1f} dB, max error {errors[torch.bfloat16]:.2e} of the peak"
+    )
+    assert snrs[torch.float32] > 60.0
+    assert snrs[torch.bfloat16] > 25.0

@@ -6,7 +6,8 @@ needs to continue where it stopped:
 
 - every causal convolution keeps its last ``kernel - 1`` input samples (the left padding of the next call);
 - every transposed convolution keeps the overlapping tail of its last output, added into the next output;
-- the decoder transformer keeps the keys and values of its sliding window, and each session its position.
+- the decoder transformer keeps the keys and values of its sliding window in a ring that attention reads in place,
+  and each session its position.
 
 So every frame is decoded exactly once, and decoding a stream in chunks of any size gives the same samples as one
 ``MimiModel.decode`` call over all of its codes. Session state lives in preallocated device slots, positions
@@ -29,7 +30,7 @@ from transformers.models.mimi.modeling_mimi import (
     MimiTransformerLayer,
 )
 
-from omnigate.kernels.attention import masked_attention
+from omnigate.kernels.attention import masked_attention, slot_attention
 from omnigate.kernels.conv import conv_transpose1d
 from omnigate.kernels.rope import apply_rope
 
@@ -130,10 +131,18 @@ class SlotKvLayers:
         return x + mlp_out
 
 
-class _WindowedTransformer(SlotKvLayers):
-    """The decoder transformer with a per-slot key/value window of ``sliding_window - 1`` past steps."""
+class _RingWindowTransformer:
+    """The decoder transformer over a per-slot ring of its sliding window's keys and values, read in place.
 
-    def __init__(self, transformer: Any, slots: int, device: torch.device, dtype: torch.dtype) -> None:
+    Each slot holds the rotated keys (and the values) of its last ``ring`` positions, position ``a`` at ring index
+    ``a % ring`` and again at ``a % ring + ring``: every window of up to ``ring`` consecutive positions is then one
+    contiguous run of the doubled ring, so attention reads it where it lies (one strided view of the whole buffer,
+    a row start per query) instead of gathering, concatenating and writing back the window every step. A step
+    writes only its new keys. The ring holds the window plus the steps of one call (``max_steps``), so a call's new
+    keys never overwrite one its own queries still see; longer calls run in pieces of ``max_steps``.
+    """
+
+    def __init__(self, transformer: Any, slots: int, device: torch.device, dtype: torch.dtype, max_steps: int) -> None:
         config = transformer.config
         self.layers: Sequence[Any] = list(transformer.layers)
         self.rotary: nn.Module = transformer.rotary_emb
@@ -141,40 +150,69 @@ class _WindowedTransformer(SlotKvLayers):
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(config.head_dim)
-        self.past = self.window - 1
-        shape = (len(self.layers), slots, self.past, self.kv_heads, self.head_dim)
+        self.max_steps = max_steps
+        self.ring = self.window - 1 + max_steps
+        self.slots = slots
+        shape = (len(self.layers), slots, 2 * self.ring, self.kv_heads, self.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.positions = torch.zeros(slots, device=device, dtype=torch.int64)
-        self.filled = torch.zeros(slots, device=device, dtype=torch.int64)  # real entries in the window
+        # Row r of a window view starts at entry r of the flattened (slot, doubled ring) axis and spans the window.
+        rows = slots * 2 * self.ring - self.window + 1
+        self._key_windows = [self._windows(t, rows) for t in self.keys]
+        self._value_windows = [self._windows(t, rows) for t in self.values]
+
+    def _windows(self, buffer: torch.Tensor, rows: int) -> torch.Tensor:
+        entry = self.kv_heads * self.head_dim
+        return buffer.as_strided(
+            (rows, self.window, self.kv_heads, self.head_dim),
+            (entry, entry, self.head_dim, 1),
+            buffer.storage_offset(),
+        )
 
     def reset(self, slots: torch.Tensor) -> None:
         self.positions.index_fill_(0, slots, 0)
-        self.filled.index_fill_(0, slots, 0)
-
-    def _allowed(self, filled: torch.Tensor, steps: int) -> torch.Tensor:
-        # Past key j (absolute position pos - past + j) is visible to step t when it is within the window
-        # (j >= t) and holds real history (j >= past - filled); new key u when u <= t < u + window.
-        t = torch.arange(steps, device=filled.device)
-        j = torch.arange(self.past, device=filled.device)
-        past_ok = (j[None, None, :] >= t[None, :, None]) & (j[None, None, :] >= (self.past - filled)[:, None, None])
-        new_ok = (t[None, :] <= t[:, None]) & (t[:, None] < t[None, :] + self.window)
-        return torch.cat((past_ok, new_ok.expand(filled.shape[0], steps, steps)), dim=-1)
 
     def __call__(self, x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        steps = x.shape[1]
         start = self.positions.index_select(0, index)
-        filled = self.filled.index_select(0, index)
         if keep is not None:
-            kept = keep.reshape(-1).to(start.dtype)
-            start, filled = start * kept, filled * kept
-        positions = start[:, None] + torch.arange(steps, device=x.device)[None, :]
+            start = start * keep.reshape(-1).to(start.dtype)
+        pieces = []
+        for offset in range(0, x.shape[1], self.max_steps):
+            pieces.append(self._run(x[:, offset : offset + self.max_steps], index, start + offset))
+        self.positions.index_copy_(0, index, start + x.shape[1])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _run(self, x: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        batch, steps, _ = x.shape
+        positions = start[:, None] + torch.arange(steps, device=x.device)[None, :]  # [B, S] absolute
         cos, sin = self.rotary(x, positions)
-        allowed = self._allowed(filled, steps)
+        ring_at = positions % self.ring
+        slot_rows = index[:, None].expand(batch, steps)
+        # Query at absolute position q sees [max(0, q - window + 1), q]: one contiguous run of the doubled ring.
+        first = (positions - self.window + 1).clamp(min=0)
+        lengths = (positions - first + 1).reshape(-1)
+        row_starts = (index[:, None] * (2 * self.ring) + first % self.ring).reshape(-1)
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, allowed, index)
-        self.positions.index_copy_(0, index, start + steps)
-        self.filled.index_copy_(0, index, (filled + steps).clamp(max=self.past))
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(attn.q_proj(h).view(batch, steps, self.heads, self.head_dim), cos, sin)
+            k = apply_rope(attn.k_proj(h).view(batch, steps, self.kv_heads, self.head_dim), cos, sin)
+            v = attn.v_proj(h).view(batch, steps, self.kv_heads, self.head_dim)
+            for copy in (ring_at, ring_at + self.ring):
+                self.keys[i][slot_rows, copy] = k
+                self.values[i][slot_rows, copy] = v
+            out = slot_attention(
+                q.reshape(batch * steps, self.heads, self.head_dim).contiguous(),
+                self._key_windows[i],
+                self._value_windows[i],
+                row_starts,
+                lengths,
+                float(attn.scaling),
+            ).view(batch, steps, self.heads * self.head_dim)
+            x = x + layer.self_attn_layer_scale(attn.o_proj(out))
+            mlp_out: torch.Tensor = layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(x)))
+            x = x + mlp_out
         return x
 
 
@@ -209,7 +247,7 @@ class _QuantizerTables:
         return total
 
 
-def _decoder_parts(mimi: Any) -> tuple[Any, Any, Any]:
+def decoder_parts(mimi: Any) -> tuple[Any, Any, Any]:
     """(upsample, decoder transformer, SEANet decoder) in either transformers layout: grouped under ``mimi.decoder``
     (newer releases) or as attributes of the model itself (older ones, where ``mimi.decoder`` is the SEANet)."""
     decoder = getattr(mimi, "decoder", None)
@@ -220,11 +258,25 @@ def _decoder_parts(mimi: Any) -> tuple[Any, Any, Any]:
     return getattr(mimi, "upsample", None), mimi.decoder_transformer, decoder
 
 
-class MimiStreamDecoder:
-    """Streams Mimi codes to waveform for up to ``max_slots`` sessions, exactly equal to a full decode."""
+def cast_for_decoding(mimi: Any, dtype: torch.dtype) -> None:
+    """Convert ``mimi`` so that its decoder layers (upsample, transformer, SEANet) run in ``dtype``: with a dtype
+    below float32, the codebooks, the quantizer's projections and the encoder stay float32 (the sum of a frame's
+    codebook vectors is taken in float32, and reference audio is encoded as before)."""
+    mimi.to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
+    for part in decoder_parts(mimi):
+        if part is not None:
+            part.to(dtype)
 
-    def __init__(self, mimi: Any, max_slots: int) -> None:
-        upsample, transformer, seanet = _decoder_parts(mimi)
+
+class MimiStreamDecoder:
+    """Streams Mimi codes to waveform for up to ``max_slots`` sessions, exactly equal to a full decode.
+
+    ``max_steps`` is how many transformer steps (two per frame for Mimi) one call runs at once; longer calls are
+    decoded in pieces of that many, the same samples either way. It sizes the key/value ring of every slot.
+    """
+
+    def __init__(self, mimi: Any, max_slots: int, *, max_steps: int = 16) -> None:
+        upsample, transformer, seanet = decoder_parts(mimi)
         param = next(seanet.parameters())
         self.device: torch.device = param.device
         self.dtype: torch.dtype = param.dtype
@@ -236,7 +288,7 @@ class MimiStreamDecoder:
         self.codebook_size = int(mimi.config.codebook_size)
         self._quantizer = _QuantizerTables(mimi.quantizer)
         self._upsample = None if upsample is None else _TransposedConvState(upsample, slots, self.device, self.dtype)
-        self._transformer = _WindowedTransformer(transformer, slots, self.device, self.dtype)
+        self._transformer = _RingWindowTransformer(transformer, slots, self.device, self.dtype, max_steps)
         self._seanet: Sequence[Any] = list(seanet.layers)
         self._convs: dict[nn.Module, _ConvState] = {}
         self._transposed: dict[nn.Module, _TransposedConvState] = {}

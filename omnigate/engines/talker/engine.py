@@ -9,6 +9,12 @@ Each :meth:`TalkerEngine.step` advances every stream of the batch by at most one
    every row, decodes each new frame through the streaming Mimi decoder and converts it to s16 PCM;
 3. frames collect per stream as PCM and leave in chunks that ramp 1, 2, 4, 8 frames.
 
+With ``overlap_steps`` (the default on CUDA) a step's device work overlaps the host work around it: a call waits
+for the device step the previous call launched, files only what the next plan depends on (end-of-audio flags, frame
+counts), plans and launches the next device step, and only then turns the previous step's frames into PCM chunks
+and events, while the device runs. Outputs therefore leave one call after the frame was launched; the frames, chunks
+and events of every stream are the same as without overlap.
+
 A stream never generates audio its credit cannot take: it advances only when its budget covers the frames it holds
 plus one more, and flushes what it holds when it cannot. One stream is one utterance; each text unit becomes a
 CSM segment spoken with the earlier segments' text and audio as context.
@@ -43,9 +49,9 @@ from omnigate.engines.base import (
     VoiceInfo,
     validate_params,
 )
-from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
+from omnigate.engines.codec.mimi_stream import MimiStreamDecoder, cast_for_decoding
 from omnigate.engines.talker.context import ContextSegment, validate_context
-from omnigate.engines.talker.frame_step import FrameStep, StepResult, StepRows
+from omnigate.engines.talker.frame_step import FrameStep, StepRows
 from omnigate.engines.talker.frames import CLOSING, FrameModel
 from omnigate.engines.talker.model import TalkerModel, clear_codebook_cache, load_talker_model
 from omnigate.engines.talker.options import TORCH_DTYPES, TalkerOptions
@@ -55,7 +61,6 @@ from omnigate.engines.talker.stopping import SilenceDetector, frame_limit
 from omnigate.engines.talker.stream import Segment, TalkerStream
 
 FAMILY = "talker"
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SEED_MASK = (1 << 62) - 1
 PRESET_MS_PER_CHAR = 60.0
 
@@ -69,14 +74,14 @@ class TalkerEngine(Engine):
         if options.threads is not None:
             torch.set_num_threads(options.threads)
         dtype = TORCH_DTYPES[options.dtype]
-        if options.codec_dtype is not None:
-            codec_dtype = TORCH_DTYPES[options.codec_dtype]
-        else:
-            codec_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+        codec_dtype = dtype if options.codec_dtype is None else TORCH_DTYPES[options.codec_dtype]
         csm = model.csm.to(torch.device(options.device))
         for name, child in csm.named_children():
-            # Converted separately so the codec's codebooks never pass through the lower precision.
-            child.to(codec_dtype if name == "codec_model" else dtype)
+            if name == "codec_model":
+                # The codebooks never pass through a lower precision; only the decoder's layers run in it.
+                cast_for_decoding(child, codec_dtype)
+            else:
+                child.to(dtype)
         clear_codebook_cache(csm.codec_model)
         config = csm.config
         self.codec = MimiStreamDecoder(csm.codec_model, options.max_sessions)
@@ -107,7 +112,12 @@ class TalkerEngine(Engine):
         if ms_per_char is None:
             ms_per_char = PRESET_MS_PER_CHAR if model.random_weights else 0.0
         self.segment_ms_per_char = ms_per_char
-        self._slot_lock = threading.Lock()
+        # Also held while the outputs of a stream outside the calling batch are filed, which close() may race with.
+        self._slot_lock = threading.RLock()
+        self.overlap_steps = (
+            options.overlap_steps if options.overlap_steps is not None else self.frames.device.type == "cuda"
+        )
+        self._in_flight: _InFlight | None = None
         self._free_slots = list(range(options.max_sessions - 1, -1, -1))
         self._opened = itertools.count()
         voices = tuple(VoiceInfo(id=str(i), name=f"Speaker {i}") for i in range(options.speakers))
@@ -197,13 +207,15 @@ class TalkerEngine(Engine):
 
     def close(self, stream: EngineStream) -> None:
         ts = _talker_stream(stream)
-        ts.closed = True
-        self._release(ts)
+        with self._slot_lock:
+            ts.closed = True
+            ts.outbox.clear()
+            self._release(ts)
 
     def _release(self, stream: TalkerStream) -> None:
-        stream.pending.clear()
-        stream.pending_rms.clear()
         with self._slot_lock:
+            stream.pending.clear()
+            stream.pending_rms.clear()
             if stream.slot is not None:
                 self._free_slots.append(stream.slot)
                 stream.slot = None
@@ -218,8 +230,8 @@ class TalkerEngine(Engine):
             self.frames.cache.reset(stream.slot)
         return stream.slot
 
-    def _finish(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
-        out.append(StreamDone(reason=reason))
+    def _finish(self, stream: TalkerStream, reason: StopReason) -> None:
+        stream.outbox.append(StreamDone(reason=reason))
         stream.finished = True
         self._release(stream)
 
@@ -227,23 +239,65 @@ class TalkerEngine(Engine):
 
     def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
         batch = [_talker_stream(s) for s in streams]
-        outputs: list[list[EngineOutput]] = [[] for _ in batch]
-        endings: dict[int, StopReason] = {}
         with torch.no_grad():
-            advancing, starting = self._plan(batch, budget_ms, outputs, endings)
+            flight, self._in_flight = self._in_flight, None
+            deferred = [] if flight is None else self._collect(flight, batch)
+            endings: dict[int, StopReason] = {}
+            advancing, starting = self._plan(batch, budget_ms, endings)
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
-            self._emit_audio(batch, budget_ms, outputs, endings)
+            for stream, index, pcm in deferred:
+                if not (stream.finished or stream.closed):
+                    stream.pending[index] = _le_bytes(pcm)
+            self._emit_audio(batch, budget_ms, endings)
         for row, reason in endings.items():
-            self._end_segment(batch[row], reason, outputs[row])
+            self._end_segment(batch[row], reason)
+        outputs = []
+        for stream in batch:
+            outputs.append(stream.outbox)
+            stream.outbox = []
         return outputs
 
+    def _collect(
+        self, flight: _InFlight, batch: list[TalkerStream]
+    ) -> list[tuple[TalkerStream, int, np.ndarray[Any, np.dtype[np.int16]]]]:
+        """Wait for the device step the previous call launched and file what the next plan depends on. Returns the
+        frames whose PCM is still to be copied into their stream's held frames (after the next launch, from the
+        other host buffer than the one the next step writes)."""
+        result = self.device_step.collect(flight.buffer)
+        rows = {id(stream): row for row, stream in enumerate(batch)}
+        ended = result.ended.tolist()
+        rms = result.rms.tolist()
+        deferred: list[tuple[TalkerStream, int, np.ndarray[Any, np.dtype[np.int16]]]] = []
+        for k, stream in enumerate(flight.streams):
+            stream.in_flight = False
+            row = rows.get(id(stream))
+            if row is None:
+                # Not in this call (the batch was full): close() may run meanwhile, so file it whole, under the lock.
+                with self._slot_lock:
+                    if not (stream.closed or stream.finished):
+                        self._file_ending(stream, self._file_frame(stream, ended[k], result.pcm[k], rms[k]))
+                continue
+            if stream.closed or stream.finished:
+                continue  # aborted, or finished by silence after this frame was launched: the frame is dropped
+            ending = self._file_frame(stream, ended[k], None, rms[k])
+            if ending is None:
+                deferred.append((stream, len(stream.pending) - 1, result.pcm[k]))
+                continue
+            if not ended[k]:
+                stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
+            self._file_ending(stream, ending)
+        return deferred
+
+    def _file_ending(self, stream: TalkerStream, ending: StopReason | None) -> None:
+        """Send what a stream holds and end its segment, for a frame that ended it (``None``: nothing ends)."""
+        if ending is None:
+            return
+        self._emit(stream, None, ending=True)
+        self._end_segment(stream, ending)
+
     def _plan(
-        self,
-        batch: list[TalkerStream],
-        budget_ms: Sequence[float],
-        outputs: list[list[EngineOutput]],
-        endings: dict[int, StopReason],
+        self, batch: list[TalkerStream], budget_ms: Sequence[float], endings: dict[int, StopReason]
     ) -> tuple[list[int], list[tuple[int, _PrefillUnit]]]:
         """Rows that advance one frame, and rows that start a unit this step with what they prefill."""
         advancing: list[int] = []
@@ -254,7 +308,7 @@ class TalkerEngine(Engine):
                 continue
             if stream.segment is None:
                 room = self.options.prefill_tokens_per_step - prefill_tokens if starting else None
-                unit = self._start_segment(stream, budget, outputs[row], room)
+                unit = self._start_segment(stream, budget, room)
                 if unit is not None:
                     starting.append((row, unit))
                     prefill_tokens += unit.size
@@ -265,21 +319,19 @@ class TalkerEngine(Engine):
                     advancing.append(row)
         return advancing, starting
 
-    def _start_segment(
-        self, stream: TalkerStream, budget: float, out: list[EngineOutput], room: int | None
-    ) -> _PrefillUnit | None:
+    def _start_segment(self, stream: TalkerStream, budget: float, room: int | None) -> _PrefillUnit | None:
         """Begin the next text unit when credit allows and its tokens fit in ``room`` (None: any size); returns
         what to prefill."""
         while stream.pending_text and not stream.pending_text[0].strip():
             stream.pending_text.pop(0)  # a blank unit has nothing to say
         if not stream.pending_text:
             if stream.input_done:
-                self._finish(stream, "completed", out)
+                self._finish(stream, "completed")
             return None
         if budget < self.frame_ms:
             return None
         if stream.audio_frames >= stream.frame_limit:
-            self._finish(stream, "max_duration", out)
+            self._finish(stream, "max_duration")
             return None
         text = stream.pending_text[0]
         tokens = self.model.segments.encode(stream.params.voice, text)
@@ -295,7 +347,7 @@ class TalkerEngine(Engine):
             stream.context = ()
         unit = _PrefillUnit(context, tokens)
         if self.frames.cache.length(slot) + unit.size > self.frames.cache.capacity:
-            self._finish(stream, "max_duration", out)
+            self._finish(stream, "max_duration")
             return None
         cap = None
         if self.segment_ms_per_char:
@@ -306,7 +358,7 @@ class TalkerEngine(Engine):
         if stream.restart_ramp:
             stream.chunk = 0
             stream.restart_ramp = False
-        out.append(SegmentStarted(index=stream.segment.index, text=text))
+        stream.outbox.append(SegmentStarted(index=stream.segment.index, text=text))
         stream.has_context = True
         return unit
 
@@ -332,20 +384,35 @@ class TalkerEngine(Engine):
         slots = [_slot(stream) for stream in streams]
         window = self.device_step.window
         codebooks = self.frames.num_codebooks
-        result = self.device_step.run(
-            StepRows(
-                slots=slots,
-                positions=[self.frames.cache.length(slot) for slot in slots[: len(advancing)]],
-                seeds=[stream.seed for stream in streams],
-                counters=[stream.draws * codebooks for stream in streams],
-                rings=[stream.draws % window if window else 0 for stream in streams],
-                fresh=[int(stream.audio_frames == 0) for stream in streams],
-                decoding=len(advancing),
-            ),
-            prefill_hidden,
+        step_rows = StepRows(
+            slots=slots,
+            positions=[self.frames.cache.length(slot) for slot in slots[: len(advancing)]],
+            seeds=[stream.seed for stream in streams],
+            counters=[stream.draws * codebooks for stream in streams],
+            rings=[stream.draws % window if window else 0 for stream in streams],
+            fresh=[int(stream.audio_frames == 0) for stream in streams],
+            decoding=len(advancing),
         )
+        try:
+            buffer = self.device_step.launch(step_rows, prefill_hidden)
+        except BaseException:
+            self.device_step.discard()
+            raise
         self.frames.cache.commit(slots[: len(advancing)], [1] * len(advancing))
-        self._file_frames(batch, rows, result, endings)
+        for stream in streams:
+            stream.draws += 1
+        if self.overlap_steps:
+            for stream in streams:
+                stream.in_flight = True
+            self._in_flight = _InFlight(buffer, streams)
+            return
+        result = self.device_step.collect(buffer)
+        ended = result.ended.tolist()
+        rms = result.rms.tolist()
+        for k, row in enumerate(rows):
+            ending = self._file_frame(batch[row], ended[k], result.pcm[k], rms[k])
+            if ending is not None:
+                endings[row] = ending
 
     def _prefill_embeddings(self, units: Sequence[_PrefillUnit]) -> torch.Tensor:
         """``[sum(size), hidden]``: every unit's reference audio and tokens in order (the tokens of all units
@@ -361,65 +428,75 @@ class TalkerEngine(Engine):
             offset += len(unit.tokens)
         return torch.cat(pieces)
 
-    def _file_frames(
-        self, batch: list[TalkerStream], rows: list[int], result: StepResult, endings: dict[int, StopReason]
-    ) -> None:
-        """Hold each row's new frame of PCM; an end-of-audio frame completes the segment instead."""
-        ended = result.ended.tolist()
-        rms = result.rms.tolist()
-        for k, row in enumerate(rows):
-            stream = batch[row]
-            segment = _segment(stream)
-            stream.draws += 1
-            if ended[k]:
-                endings[row] = "completed"
-                continue
-            stream.pending.append(_le_bytes(result.pcm[k]))
-            stream.pending_rms.append(rms[k])
-            stream.audio_frames += 1
-            segment.frames += 1
-            if stream.audio_frames >= stream.frame_limit or segment.frames == segment.frame_limit:
-                endings[row] = "max_duration"
+    def _file_frame(
+        self,
+        stream: TalkerStream,
+        ended: bool,
+        pcm: np.ndarray[Any, np.dtype[np.int16]] | None,
+        rms: float,
+    ) -> StopReason | None:
+        """Hold a stream's new frame (its PCM, or an empty placeholder for it when ``pcm`` is None); returns why the
+        frame ends the segment, if it does (an end-of-audio frame is no audio and completes it)."""
+        segment = _segment(stream)
+        if ended:
+            return "completed"
+        stream.pending.append(b"" if pcm is None else _le_bytes(pcm))
+        stream.pending_rms.append(rms)
+        stream.audio_frames += 1
+        segment.frames += 1
+        if stream.audio_frames >= stream.frame_limit or segment.frames == segment.frame_limit:
+            return "max_duration"
+        return None
 
     def _emit_audio(
-        self,
-        batch: list[TalkerStream],
-        budget_ms: Sequence[float],
-        outputs: list[list[EngineOutput]],
-        endings: dict[int, StopReason],
+        self, batch: list[TalkerStream], budget_ms: Sequence[float], endings: dict[int, StopReason]
     ) -> None:
         """Send the held frames of every stream whose chunk is due, ends, or has no credit for more."""
         for row, stream in enumerate(batch):
-            held = len(stream.pending)
-            if not held:
-                continue
-            full = held >= self.schedule.frames(stream.chunk)
-            starved = budget_ms[row] < (held + 1) * self.frame_ms
-            if not (full or starved or row in endings):
-                continue
-            pcm = b"".join(stream.pending)
-            rms = list(stream.pending_rms)
-            stream.pending.clear()
-            stream.pending_rms.clear()
-            stream.chunk += 1
-            outputs[row].append(AudioChunk(segment_index=_segment(stream).index, pcm=pcm, sample_rate=self.sample_rate))
-            if stream.silence.feed(rms) and row not in endings:
+            if self._emit(stream, budget_ms[row], ending=row in endings) and row not in endings:
                 endings[row] = "silence"
 
-    def _end_segment(self, stream: TalkerStream, reason: StopReason, out: list[EngineOutput]) -> None:
-        out.append(SegmentDone(index=_segment(stream).index, reason=reason))
+    def _emit(self, stream: TalkerStream, budget: float | None, *, ending: bool) -> bool:
+        """Send the stream's held frames as one chunk if it is due (``budget`` None: only when ``ending``); returns
+        whether the chunk ends in silence."""
+        held = len(stream.pending)
+        if not held or stream.finished:
+            return False
+        full = held >= self.schedule.frames(stream.chunk)
+        # A frame still on the device is paid for too: flush when the credit cannot take one more after it.
+        starved = budget is not None and budget < (held + int(stream.in_flight) + 1) * self.frame_ms
+        if not (ending or (budget is not None and full) or starved):
+            return False
+        pcm = b"".join(stream.pending)
+        rms = list(stream.pending_rms)
+        stream.pending.clear()
+        stream.pending_rms.clear()
+        stream.chunk += 1
+        stream.outbox.append(AudioChunk(segment_index=_segment(stream).index, pcm=pcm, sample_rate=self.sample_rate))
+        return stream.silence.feed(rms)
+
+    def _end_segment(self, stream: TalkerStream, reason: StopReason) -> None:
+        stream.outbox.append(SegmentDone(index=_segment(stream).index, reason=reason))
         stream.segment = None
         stream.pending.clear()
         stream.pending_rms.clear()
         # Silence, the utterance's duration cap and a full context window end the stream; a unit's own cap only it.
         context_full = self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity
         if reason == "silence" or stream.audio_frames >= stream.frame_limit or context_full:
-            self._finish(stream, reason, out)
+            self._finish(stream, reason)
         elif not stream.pending_text:
             if stream.input_done:
-                self._finish(stream, "completed", out)
+                self._finish(stream, "completed")
             else:
                 stream.restart_ramp = True
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched device step not yet collected: its host buffer and its rows' streams, in row order."""
+
+    buffer: int
+    streams: list[TalkerStream]
 
 
 @dataclass(frozen=True)

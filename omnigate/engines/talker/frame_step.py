@@ -6,6 +6,10 @@ codebooks, stores the frame as the stream's last, decodes it through the streami
 frame's audio as s16 PCM with its RMS and an end-of-audio flag. The host writes one input table before the step and
 reads one packed table after it: two copies, no other host work or synchronisation inside the step.
 
+:meth:`FrameStep.launch` only enqueues the step; :meth:`FrameStep.collect` waits for it. The packed outputs land in
+one of two pinned host buffers, alternately, so the host can still be reading one step's outputs while the next step
+runs on the device and copies its own into the other buffer.
+
 On CUDA the step is captured once per bucket of batch sizes (a CUDA graph replays its thousands of kernels without
 Python or launch overhead); a batch runs in the smallest bucket that holds it, the spare rows pointed at scratch slots
 that belong to no stream. Elsewhere the same code runs eagerly at the exact batch size.
@@ -99,7 +103,11 @@ class FrameStep:
         self.history = torch.full((slots, frames.num_codebooks, window), -1, dtype=torch.int64, device=device)
         self.samples = codec.samples_per_frame
         self.out = torch.zeros(max_batch, self.samples + PACK_EXTRA, dtype=torch.int16, device=device)
-        self._host_out = self.out.cpu().pin_memory() if cuda else self.out
+        # Two host buffers, each with the event that marks its copy complete: the step after next reuses a buffer.
+        self._host_out = [torch.zeros(self.out.shape, dtype=self.out.dtype, pin_memory=cuda) for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in self._host_out] if cuda else []  # type: ignore[no-untyped-call]
+        self._launches = 0
+        self._rows: dict[int, int] = {}  # buffer -> rows of its step, until collected
         self._sampling = SamplingRows(
             temperature=torch.full((max_batch,), sampler.temperature, dtype=torch.float32, device=device),
             top_k=torch.full((max_batch,), sampler.top_k, dtype=torch.int32, device=device),
@@ -146,10 +154,19 @@ class FrameStep:
 
     @torch.no_grad()
     def run(self, rows: StepRows, prefill_hidden: torch.Tensor | None = None) -> StepResult:
-        """Run one step for ``rows``; ``prefill_hidden`` holds the prefilled rows' hidden states, in order."""
+        """Run one step for ``rows`` and wait for its outputs (:meth:`launch`, then :meth:`collect`)."""
+        return self.collect(self.launch(rows, prefill_hidden))
+
+    @torch.no_grad()
+    def launch(self, rows: StepRows, prefill_hidden: torch.Tensor | None = None) -> int:
+        """Enqueue one step for ``rows`` (``prefill_hidden``: the prefilled rows' hidden states, in order) and return
+        the host buffer its outputs will land in, for :meth:`collect`. The previous launch must have been collected
+        (the input table is reused); its outputs stay readable until the launch after this one."""
         count = len(rows.slots)
         if not 0 < count <= self.max_batch:
             raise ValueError(f"a step takes 1..{self.max_batch} rows, not {count}")
+        if self._rows:
+            raise RuntimeError("the previous step has not been collected")
         if prefill_hidden is not None and prefill_hidden.shape[0]:
             self.prefill_hidden[rows.decoding : count] = prefill_hidden
         bucket = count if self.graphs is None else self.graphs.bucket(count)
@@ -173,15 +190,29 @@ class FrameStep:
             self._compute(count, decoding)
         else:
             self.graphs.replay(bucket)
-        if self.device.type == "cuda":
-            self._host_out[:count].copy_(self.out[:count], non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        packed = self._host_out[:count].numpy()
+        buffer = self._launches % len(self._host_out)
+        self._launches += 1
+        self._host_out[buffer][:count].copy_(self.out[:count], non_blocking=self.device.type == "cuda")
+        if self._copied:
+            self._copied[buffer].record()
+        self._rows[buffer] = count
+        return buffer
+
+    def collect(self, buffer: int) -> StepResult:
+        """Wait for the step launched into ``buffer`` and return its outputs (views of the host buffer)."""
+        count = self._rows.pop(buffer)
+        if self._copied:
+            self._copied[buffer].synchronize()
+        packed = self._host_out[buffer][:count].numpy()
         return StepResult(
             pcm=packed[:, : self.samples],
             rms=unpack_rms(packed, self.samples),
             ended=packed[:, self.samples + 2] != 0,
         )
+
+    def discard(self) -> None:
+        """Forget a launched step whose outputs nobody will collect (after a failure)."""
+        self._rows.clear()
 
 
 class _StepGraphs:

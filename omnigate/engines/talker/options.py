@@ -25,8 +25,12 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "cpu"
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch CPU threads for the process; None: torch's
     dtype: DType = "float32"  # backbone and depth decoder
-    codec_dtype: DType | None = None  # the Mimi decoder; None: float32 when dtype is lower, else dtype
+    # The Mimi decoder's layers (its codebooks stay at least float32); None: the same as dtype.
+    codec_dtype: DType | None = None
     cuda_graphs: bool = True  # on CUDA, capture each step size as a CUDA graph
+    # Launch each device step before filing the previous one's outputs (the host work overlaps the device's).
+    # None: on for CUDA devices.
+    overlap_steps: bool | None = None
     prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more new text waits for the next step
     # With CUDA graphs, prefills of up to this many tokens replay a captured graph; larger ones (reference audio, a
     # raised per-step budget) run eagerly. 0: every prefill runs eagerly.

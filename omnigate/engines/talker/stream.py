@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnigate.engines.base import EngineStream, SynthesisParams
+from omnigate.engines.base import EngineOutput, EngineStream, SynthesisParams
 from omnigate.engines.talker.context import ContextSegment
 from omnigate.engines.talker.stopping import SilenceDetector
 
@@ -48,9 +48,15 @@ class TalkerStream(EngineStream):
         self.draws = 0  # frames sampled, end-of-audio frames included: the stream's noise counter
         self.finished = False
         self.closed = False
+        self.in_flight = False  # a frame of this stream is on the device, launched but not yet collected
+        self.outbox: list[EngineOutput] = []  # outputs not yet returned by a step (the stream was not in its batch)
 
     @property
     def has_work(self) -> bool:
-        if self.finished or self.closed:
+        if self.closed:
+            return False
+        if self.outbox or self.in_flight:
+            return True
+        if self.finished:
             return False
         return self.segment is not None or bool(self.pending_text) or self.input_done
