@@ -238,6 +238,12 @@ class RealtimeConnection:
         for timer in (self._idle_timer, self._duration_timer):
             if timer is not None:
                 timer.cancel()
+        # The session and its backend refer to each other: drop what holds native resources now rather than when
+        # the cycle collector next runs a full pass (rarely, in a process holding a model).
+        self._vad = None
+        self._detector = None
+        self._vad_queue.clear()
+        self._converters.clear()
 
     def fail(self, code: str, message: str) -> None:
         """End the session with a fatal typed error, then close."""

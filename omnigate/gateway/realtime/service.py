@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -22,6 +21,7 @@ from omnigate.gateway.realtime.connection import RealtimeLimits
 from omnigate.gateway.realtime.duplex_backend import DuplexBackend, DuplexEngineApi
 from omnigate.gateway.realtime.tts_backend import TtsBackend
 from omnigate.gateway.settings import Settings
+from omnigate.os_threads import named_executor
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import SessionLimits
 
@@ -63,7 +63,7 @@ class RealtimeService:
         self.tts = None if pool.info.capabilities.duplex else pool
         self._owns_duplex = owns_duplex
         # Silero scores a 32 ms window in about a millisecond: off the event loop, on a small shared pool.
-        self.vad_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="omnigate-vad")
+        self.vad_executor = named_executor(2, "omnigate-vad")
 
     @property
     def limits(self) -> RealtimeLimits:
