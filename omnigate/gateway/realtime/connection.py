@@ -13,6 +13,8 @@ Rules kept here:
   engine, purges the response's queued audio and then ends it: queued audio of an old response is never sent.
 - ``conversation.item.truncate`` is checked against the audio actually handed to the transport.
 - Input audio beyond the per-session cap is refused, not buffered; the outbox is bounded in media time and events.
+  Under server VAD nothing is refused: the detector hears every append, and a turn that outgrows the cap is
+  committed there (an ``input_turn_limit`` error says so) while detection goes on. A refused append is no activity.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class RealtimeConnection:
         self._vad_queue = bytearray()
         self._vad_busy = False
         self._last_activity = time.monotonic()
+        self._activity_before_event = self._last_activity
         self._idle_timer: asyncio.TimerHandle | None = None
         self._duration_timer: asyncio.TimerHandle | None = None
         self._released = False
@@ -266,6 +269,7 @@ class RealtimeConnection:
         """Handle one client JSON event; a bad event gets one typed error and the session goes on."""
         if self.closed:
             return
+        self._activity_before_event = self._last_activity
         self._last_activity = time.monotonic()
         size = len(raw)
         if size > self.limits.max_event_bytes:
@@ -383,11 +387,17 @@ class RealtimeConnection:
             return
         if self.caps.native_duplex:
             accepted = self.backend.push_audio(pcm)
+        elif self._detector is not None:
+            # The detector commits a turn before it outgrows the cap; until its scores catch up the count saturates
+            # (a text-to-speech backend holds no user audio, only this count).
+            accepted = True
+            self._pending_input_bytes = min(self.limits.input_max_bytes, self._pending_input_bytes + len(pcm))
         else:
             accepted = self._pending_input_bytes + len(pcm) <= self.limits.input_max_bytes
             if accepted:
                 self._pending_input_bytes += len(pcm)
         if not accepted:
+            self._last_activity = self._activity_before_event  # a refused append does not keep the session alive
             self._error(
                 "input_backpressure",
                 f"more than {self.limits.input_max_bytes} bytes of input audio are pending; the append was refused",
@@ -722,7 +732,9 @@ class RealtimeConnection:
             self._vad_queue.clear()
             return
         if self._detector is None:
-            self._detector = TurnDetector(td.settings, WINDOW_MS)
+            # A duplex engine consumes the audio as it comes; a turn-based session buffers up to the input cap.
+            max_turn_ms = None if self.caps.native_duplex else self.limits.input_max_bytes / 2 * 1000.0 / ENGINE_RATE
+            self._detector = TurnDetector(td.settings, WINDOW_MS, max_turn_ms)
             if self._vad is None:
                 self._vad = SpeechProbability(ENGINE_RATE)
         else:
@@ -771,7 +783,7 @@ class RealtimeConnection:
             if isinstance(turn, TurnStarted):
                 self._on_speech_started(turn.audio_start_ms)
             elif turn is not None:
-                self._on_speech_stopped(turn.audio_end_ms)
+                self._on_speech_stopped(turn.audio_end_ms, forced=turn.forced)
         if self._detector is not None and not self._detector.speaking and not self.caps.native_duplex:
             # Outside a turn the buffer holds only the prefix padding a turn would start with.
             prefix = self._detector.settings.prefix_padding_ms * ENGINE_RATE * 2 // 1000
@@ -787,7 +799,16 @@ class RealtimeConnection:
             # Barge-in: the user talks over the assistant, so nothing queued for playback should play.
             self._cancel_active("turn_detected", purge_all=True)
 
-    def _on_speech_stopped(self, audio_end_ms: int) -> None:
+    def _on_speech_stopped(self, audio_end_ms: int, *, forced: bool = False) -> None:
+        if forced:
+            limit_s = self.limits.input_max_bytes / 2 / ENGINE_RATE
+            self._error(
+                "input_turn_limit",
+                f"the speech went on for {limit_s:.1f} s without a pause: the turn is committed there and the next"
+                " one starts",
+                None,
+                error_type="server_error",
+            )
         item_id = self._user_item_id or self._ids("item")
         self._emit(SpeechStopped(event_id=self._event_id(), audio_end_ms=audio_end_ms, item_id=item_id))
         self._commit_turn(item_id)
