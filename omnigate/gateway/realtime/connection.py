@@ -248,6 +248,20 @@ class RealtimeConnection:
         self._vad_queue.clear()
         self._converters.clear()
 
+    @property
+    def idle(self) -> bool:
+        """No response in progress: closing the session now loses no work (a graceful drain asks)."""
+        return self._active is None
+
+    def end(self, code: str, message: str) -> bool:
+        """End the session from the server's side (a drain): a response in progress is cancelled, its
+        ``response.done`` goes out, then the typed error and the close. False when the session is already ending."""
+        if self.closed:
+            return False
+        self._cancel_active(None, purge_all=True)
+        self.fail(code, message)
+        return True
+
     def fail(self, code: str, message: str) -> None:
         """End the session with a fatal typed error, then close."""
         if self.closed:
@@ -712,7 +726,7 @@ class RealtimeConnection:
         if response_id is not None:
             self._emit(OutputAudioCleared(event_id=self._event_id(), response_id=response_id))
 
-    def _cancel_active(self, reason: str, *, purge_all: bool) -> None:
+    def _cancel_active(self, reason: str | None, *, purge_all: bool) -> None:
         """The epoch fence: stop the engine, drop queued audio, then end the response."""
         active = self._active
         if active is not None:
