@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 from fractions import Fraction
 
 import av
 import numpy as np
+from av.error import FFmpegError
+from av.filter import Graph
 
 SAMPLE_WIDTH = 2
 """Bytes per mono s16le sample."""
@@ -27,6 +30,10 @@ class StreamResampler:
     Pieces may have any length (whole samples). The filter keeps a short history between pieces, so the output
     of many small pieces equals that of one large piece; :meth:`flush` returns the tail it still holds. Equal
     rates pass bytes through untouched.
+
+    The filter graph is the one ``av.AudioResampler`` builds (``abuffer -> aformat -> abuffersink``, same output),
+    made with one thread: FFmpeg's default starts a pool of one thread per core for every graph, so each live
+    stream held that many idle threads.
     """
 
     def __init__(self, in_rate: int, out_rate: int) -> None:
@@ -34,7 +41,7 @@ class StreamResampler:
             raise ValueError(f"sample rates must be positive, got {in_rate} -> {out_rate}")
         self.in_rate = in_rate
         self.out_rate = out_rate
-        self._resampler = av.AudioResampler(format="s16", layout="mono", rate=out_rate)
+        self._graph: Graph | None = None
         self._pts = 0
         self._flushed = False
 
@@ -53,16 +60,49 @@ class StreamResampler:
             return pcm
         frame = pcm_to_frame(pcm, self.in_rate, self._pts)
         self._pts += frame.samples
-        return _frames_to_pcm(self._resampler.resample(frame))
+        return self._filter(frame)
 
     def flush(self) -> bytes:
         """End the stream and return the samples the filter still holds; the resampler is then finished."""
         if self._flushed:
             raise RuntimeError("StreamResampler was already flushed")
         self._flushed = True
-        if self.passthrough:
+        if self.passthrough or self._graph is None:
             return b""
-        return _frames_to_pcm(self._resampler.resample(None))
+        return self._filter(None)
+
+    def _filter(self, frame: av.AudioFrame | None) -> bytes:
+        graph = self._graph
+        if graph is None:
+            graph = self._graph = _single_thread_graph(self.in_rate, self.out_rate)
+        graph.push(frame)
+        frames: list[av.AudioFrame] = []
+        while True:
+            try:
+                out = graph.pull()
+            except EOFError:
+                break
+            except FFmpegError as exc:
+                if exc.errno != errno.EAGAIN:
+                    raise
+                break
+            assert isinstance(out, av.AudioFrame)
+            frames.append(out)
+        return _frames_to_pcm(frames)
+
+
+def _single_thread_graph(in_rate: int, out_rate: int) -> Graph:
+    graph = Graph()
+    graph.threads = 1  # before any filter is added
+    source = graph.add(
+        "abuffer", sample_rate=str(in_rate), sample_fmt="s16", channel_layout="mono", time_base=f"1/{in_rate}"
+    )
+    convert = graph.add("aformat", sample_rates=str(out_rate), sample_fmts="s16", channel_layouts="mono")
+    sink = graph.add("abuffersink")
+    source.link_to(convert)
+    convert.link_to(sink)
+    graph.configure()
+    return graph
 
 
 def _frames_to_pcm(frames: list[av.AudioFrame]) -> bytes:

@@ -39,6 +39,7 @@ from omnigate.engines.base import (
     StreamDone,
     SynthesisParams,
 )
+from omnigate.os_threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +296,7 @@ class EnginePool:
 
     def _supervised_worker(self, index: int) -> None:
         """Serve until the pool closes; whatever kills the serving loop fails its batch, and the loop restarts."""
+        name_os_thread()
         crashes_in_a_row = 0
         while True:
             try:
@@ -356,6 +358,7 @@ class EnginePool:
 
     def _watchdog(self) -> None:
         """Fail the streams of a step that overruns ``step_timeout_s``; sleeps until the earliest step deadline."""
+        name_os_thread()
         with self._cond:
             while not self._closing:
                 now = time.monotonic()

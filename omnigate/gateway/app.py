@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from omnigate.gateway.state import Gateway
 from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
 from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint, video_calls_endpoint
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
+from omnigate.os_threads import named_executor
 from omnigate.web import web_routes
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # asyncio.to_thread work (encoders, loading) runs on the loop's default pool: named, as large as asyncio's.
+        asyncio.get_running_loop().set_default_executor(
+            named_executor(min(32, (os.cpu_count() or 1) + 4), "omnigate-io")
+        )
         webrtc.configure()
         pool: EnginePoolAPI[Any]
         stop_pool: Callable[[], Awaitable[None]]

@@ -10,7 +10,9 @@ first and lets uvicorn shut down only once the session registry is empty or the 
 3. at the deadline every remaining session is closed the same way, and the process exits 0.
 
 Speech sessions are seen through their lease's session driver, other sessions (video over a WebSocket or a WebRTC
-call) through the :class:`~omnigate.sessions.registry.DrainTarget` their route registers on the lease.
+call, realtime sessions over either) through the :class:`~omnigate.sessions.registry.DrainTarget` their route
+registers on the lease. A realtime session is idle between responses; one still responding at the deadline has its
+response cancelled (``response.done`` with status ``cancelled``) before the typed close.
 
 A second signal skips the drain (uvicorn's forced exit).
 """

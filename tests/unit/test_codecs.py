@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 from collections.abc import Iterator
 
@@ -305,3 +306,23 @@ def test_declared_rates_are_what_the_bundled_encoders_accept() -> None:
             assert set(fmt.sample_rates) <= set(codec.audio_rates or ())
     assert (FORMATS["opus"].sample_rates, FORMATS["mp3"].sample_rates) == (OPUS_RATES, MP3_RATES)
     assert FORMATS["aac"].sample_rates == AAC_RATES
+
+
+def test_stream_resampler_matches_pyav_and_starts_no_thread() -> None:
+    from omnigate.codecs.resample import _frames_to_pcm, pcm_to_frame
+
+    rng = np.random.default_rng(7)
+    for in_rate, out_rate in [(24000, 16000), (8000, 24000), (24000, 48000), (22050, 24000)]:
+        pcm = (rng.standard_normal(in_rate) * 3000).astype("<i2").tobytes()
+        pieces = [pcm[start : start + 962] for start in range(0, len(pcm), 962)]
+        threads_before = len(os.listdir("/proc/self/task"))
+        ours = StreamResampler(in_rate, out_rate)
+        got = b"".join(ours.process(piece) for piece in pieces)
+        assert len(os.listdir("/proc/self/task")) == threads_before
+        got += ours.flush()
+        reference, pts, expected = av.AudioResampler(format="s16", layout="mono", rate=out_rate), 0, b""
+        for piece in pieces:
+            frame = pcm_to_frame(piece, in_rate, pts)
+            pts += frame.samples
+            expected += _frames_to_pcm(reference.resample(frame))
+        assert got == expected + _frames_to_pcm(reference.resample(None))

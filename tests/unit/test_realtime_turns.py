@@ -37,6 +37,16 @@ def test_skipped_audio_moves_the_clock() -> None:
     assert detector.feed(0.99) == SpeechStarted(1000)
 
 
+def test_a_turn_that_never_pauses_ends_at_the_maximum_length_and_the_next_one_starts() -> None:
+    detector = TurnDetector(TurnDetectionSettings(prefix_padding_ms=300), 32.0, max_turn_ms=640.0)
+    events = run(detector, [0.1] * 20 + [0.9] * 25 + [0.1] * 16)
+    # The turn starts at 340 ms (window 20 at 640 ms, padded back 300 ms); window 30 ends at 992 ms, 652 ms later.
+    assert events[:2] == [(20, SpeechStarted(340)), (30, SpeechStopped(992, forced=True))]
+    # Speech goes on: a new turn starts at once, its padding no earlier than the forced end; it ends in silence.
+    assert events[2:] == [(31, SpeechStarted(992)), (60, SpeechStopped(61 * 32))]
+    assert not detector.speaking
+
+
 def test_model_turns_group_speaking_frames_and_mute_after_an_interruption() -> None:
     turns = ModelTurns(end_frames=3, max_mute_frames=4)
     roles = [turns.feed(listening) for listening in [True, False, False, True, False, True, True, True, True]]

@@ -208,7 +208,7 @@ def test_stop_cancels_generations_and_joins_the_worker(model: VideoModel) -> Non
     engine.stop()
     _, done = drain(job)
     assert (done.status, done.code) == ("cancelled", "shutting_down")
-    assert not any(t.name == "video-engine" and t.is_alive() for t in threading.enumerate())
+    assert not any(t.name == "omnigate-video" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(EngineError) as refused:
         engine.submit(engine.resolve("a fox", num_frames=5, seed=0))
     assert refused.value.code == "shutting_down"

@@ -40,6 +40,7 @@ from omnigate.engines.duplex.frames import FrameModel, FrameSettings
 from omnigate.engines.duplex.model import DuplexModel, load_duplex_model
 from omnigate.engines.duplex.options import TORCH_DTYPES, DuplexOptions
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
+from omnigate.os_threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class DuplexEngine(Engine):
             )
             self._sessions[session_id] = session
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="omnigate-duplex-clock", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="omnigate-clock", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         return session
@@ -254,6 +255,7 @@ class DuplexEngine(Engine):
         return any(s.credit_frames > 0 for s in self._sessions.values())
 
     def _run(self) -> None:
+        name_os_thread()
         deadline: float | None = None
         while True:
             with self._cond:

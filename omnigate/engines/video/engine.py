@@ -40,6 +40,7 @@ from omnigate.engines.video.outputs import (
 )
 from omnigate.engines.video.request import VideoOptions, VideoRequest, validate_request
 from omnigate.engines.video.vae_stream import StreamingVaeDecoder, VaeTiling
+from omnigate.os_threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ class VideoEngine:
             if self._thread is not None:
                 return
             self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="video-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="omnigate-video", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -326,6 +327,7 @@ class VideoEngine:
         return None
 
     def _run(self) -> None:
+        name_os_thread()
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -13,6 +13,8 @@ Rules kept here:
   engine, purges the response's queued audio and then ends it: queued audio of an old response is never sent.
 - ``conversation.item.truncate`` is checked against the audio actually handed to the transport.
 - Input audio beyond the per-session cap is refused, not buffered; the outbox is bounded in media time and events.
+  Under server VAD nothing is refused: the detector hears every append, and a turn that outgrows the cap is
+  committed there (an ``input_turn_limit`` error says so) while detection goes on. A refused append is no activity.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class RealtimeConnection:
         self._vad_queue = bytearray()
         self._vad_busy = False
         self._last_activity = time.monotonic()
+        self._activity_before_event = self._last_activity
         self._idle_timer: asyncio.TimerHandle | None = None
         self._duration_timer: asyncio.TimerHandle | None = None
         self._released = False
@@ -238,6 +241,26 @@ class RealtimeConnection:
         for timer in (self._idle_timer, self._duration_timer):
             if timer is not None:
                 timer.cancel()
+        # The session and its backend refer to each other: drop what holds native resources now rather than when
+        # the cycle collector next runs a full pass (rarely, in a process holding a model).
+        self._vad = None
+        self._detector = None
+        self._vad_queue.clear()
+        self._converters.clear()
+
+    @property
+    def idle(self) -> bool:
+        """No response in progress: closing the session now loses no work (a graceful drain asks)."""
+        return self._active is None
+
+    def end(self, code: str, message: str) -> bool:
+        """End the session from the server's side (a drain): a response in progress is cancelled, its
+        ``response.done`` goes out, then the typed error and the close. False when the session is already ending."""
+        if self.closed:
+            return False
+        self._cancel_active(None, purge_all=True)
+        self.fail(code, message)
+        return True
 
     def fail(self, code: str, message: str) -> None:
         """End the session with a fatal typed error, then close."""
@@ -260,6 +283,7 @@ class RealtimeConnection:
         """Handle one client JSON event; a bad event gets one typed error and the session goes on."""
         if self.closed:
             return
+        self._activity_before_event = self._last_activity
         self._last_activity = time.monotonic()
         size = len(raw)
         if size > self.limits.max_event_bytes:
@@ -377,11 +401,17 @@ class RealtimeConnection:
             return
         if self.caps.native_duplex:
             accepted = self.backend.push_audio(pcm)
+        elif self._detector is not None:
+            # The detector commits a turn before it outgrows the cap; until its scores catch up the count saturates
+            # (a text-to-speech backend holds no user audio, only this count).
+            accepted = True
+            self._pending_input_bytes = min(self.limits.input_max_bytes, self._pending_input_bytes + len(pcm))
         else:
             accepted = self._pending_input_bytes + len(pcm) <= self.limits.input_max_bytes
             if accepted:
                 self._pending_input_bytes += len(pcm)
         if not accepted:
+            self._last_activity = self._activity_before_event  # a refused append does not keep the session alive
             self._error(
                 "input_backpressure",
                 f"more than {self.limits.input_max_bytes} bytes of input audio are pending; the append was refused",
@@ -696,7 +726,7 @@ class RealtimeConnection:
         if response_id is not None:
             self._emit(OutputAudioCleared(event_id=self._event_id(), response_id=response_id))
 
-    def _cancel_active(self, reason: str, *, purge_all: bool) -> None:
+    def _cancel_active(self, reason: str | None, *, purge_all: bool) -> None:
         """The epoch fence: stop the engine, drop queued audio, then end the response."""
         active = self._active
         if active is not None:
@@ -716,7 +746,9 @@ class RealtimeConnection:
             self._vad_queue.clear()
             return
         if self._detector is None:
-            self._detector = TurnDetector(td.settings, WINDOW_MS)
+            # A duplex engine consumes the audio as it comes; a turn-based session buffers up to the input cap.
+            max_turn_ms = None if self.caps.native_duplex else self.limits.input_max_bytes / 2 * 1000.0 / ENGINE_RATE
+            self._detector = TurnDetector(td.settings, WINDOW_MS, max_turn_ms)
             if self._vad is None:
                 self._vad = SpeechProbability(ENGINE_RATE)
         else:
@@ -765,7 +797,7 @@ class RealtimeConnection:
             if isinstance(turn, TurnStarted):
                 self._on_speech_started(turn.audio_start_ms)
             elif turn is not None:
-                self._on_speech_stopped(turn.audio_end_ms)
+                self._on_speech_stopped(turn.audio_end_ms, forced=turn.forced)
         if self._detector is not None and not self._detector.speaking and not self.caps.native_duplex:
             # Outside a turn the buffer holds only the prefix padding a turn would start with.
             prefix = self._detector.settings.prefix_padding_ms * ENGINE_RATE * 2 // 1000
@@ -781,7 +813,16 @@ class RealtimeConnection:
             # Barge-in: the user talks over the assistant, so nothing queued for playback should play.
             self._cancel_active("turn_detected", purge_all=True)
 
-    def _on_speech_stopped(self, audio_end_ms: int) -> None:
+    def _on_speech_stopped(self, audio_end_ms: int, *, forced: bool = False) -> None:
+        if forced:
+            limit_s = self.limits.input_max_bytes / 2 / ENGINE_RATE
+            self._error(
+                "input_turn_limit",
+                f"the speech went on for {limit_s:.1f} s without a pause: the turn is committed there and the next"
+                " one starts",
+                None,
+                error_type="server_error",
+            )
         item_id = self._user_item_id or self._ids("item")
         self._emit(SpeechStopped(event_id=self._event_id(), audio_end_ms=audio_end_ms, item_id=item_id))
         self._commit_turn(item_id)

@@ -102,6 +102,8 @@ class DuplexBackend(Backend):
     def release(self) -> None:
         if self._session is not None:
             self.engine.close_session(self._session)
+        self._sink = None  # the session refers to this backend: no cycle outlives the session
+        self._response = None
 
     def _grant(self, frames: int) -> None:
         if self._session is not None:
@@ -109,7 +111,8 @@ class DuplexBackend(Backend):
 
     def _on_frame(self, frame: DuplexFrame) -> None:
         sink = self._sink
-        assert sink is not None
+        if sink is None:
+            return  # a frame the engine made before the session was released
         role = self._turns.feed(frame.listening)
         if role == "start":
             self._response = sink.open_model_response()

@@ -115,6 +115,7 @@ class TtsBackend(Backend):
             self._pump = None
         if self._driver is not None:
             self._driver.release()
+        self._sink = None  # the session refers to this backend: no cycle outlives the session
 
     # ---- internals ----------------------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
         await _refuse(ws, exc.code, exc.message, 1008, exc.retry_after_s)
         return
     try:
-        with gateway.registry.admit(TRANSPORT):
+        with gateway.registry.admit(TRANSPORT) as lease:
             await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in ws.scope.get("subprotocols", ()) else None)
             info = route.backend.capabilities
             connection = RealtimeConnection(
@@ -70,6 +70,7 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
                 connection.release()
                 await _refuse(ws, exc.code, exc.message, 1013, exc.retry_after_s, accepted=True)
                 return
+            lease.drain_target = connection
             await WsRealtimeTransport(ws, connection, settings.stall_timeout_s).run()
     except SessionLimitReached as exc:
         code = "shutting_down" if gateway.registry.draining else "server_busy"

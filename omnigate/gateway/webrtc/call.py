@@ -269,6 +269,7 @@ class WebRtcCall:
             stall_timeout_s=self.settings.stall_timeout_s,
         )
         self.lease.driver = None
+        self.lease.drain_target = connection  # a drain closes idle sessions at once, responding ones when done
         # The speech session never configured ends here; its writer returns and run() serves the realtime one.
         self.driver.abort("realtime")
 
