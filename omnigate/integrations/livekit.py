@@ -70,6 +70,17 @@ def _status_error(error: ServerError) -> APIStatusError:
     )
 
 
+async def _refusal(ws: ClientConnection, closed: ConnectionClosed) -> APIError:
+    """Why the server closed a connection it had just accepted: its typed error event (no free slot, draining)."""
+    try:
+        while True:
+            message = await ws.recv()
+            if isinstance(message, str) and isinstance(event := parse_event(message), ServerError):
+                return _status_error(event)
+    except (ConnectionClosed, msgspec.DecodeError, msgspec.ValidationError):
+        return APIConnectionError(f"omnigate closed the connection: {closed}")
+
+
 class TTS(tts.TTS[Never]):
     """Streaming text-to-speech from an omnigate server; options mirror the WebSocket's ``session.config``."""
 
@@ -157,7 +168,10 @@ class TTS(tts.TTS[Never]):
             ) from None
         except (OSError, InvalidHandshake) as exc:
             raise APIConnectionError(f"cannot connect to {self._url}: {exc}") from None
-        await ws.send(self._options.config_event())
+        try:
+            await ws.send(self._options.config_event())
+        except ConnectionClosed as exc:
+            raise await _refusal(ws, exc) from None
         return _Connection(ws)
 
     async def _close(self, conn: _Connection) -> None:

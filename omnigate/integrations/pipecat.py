@@ -24,6 +24,7 @@ from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, WebsocketTTSService
 from pipecat.utils.errors import ErrorCategory
+from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from omnigate.integrations.speech_client import (
@@ -139,7 +140,10 @@ class OmnigateTTSService(WebsocketTTSService):
             self._ledger = UtteranceLedger()
             self._collecting_context, self._contexts, self._speaking = None, {}, None
             options = msgspec.structs.replace(self._options, sample_rate=self.sample_rate)
-            await self._websocket.send(options.config_event())
+            try:
+                await self._websocket.send(options.config_event())
+            except ConnectionClosed:
+                pass  # refused right after the handshake (no free slot): the receive loop reads the server's error
             await self._call_event_handler("on_connected")
         except Exception as exc:
             self._websocket = None

@@ -7,10 +7,11 @@ import asyncio
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def free_port() -> int:
 
 @dataclass
 class ServerProcess:
-    process: asyncio.subprocess.Process
+    process: subprocess.Popen[bytes]
     port: int
     log: Path
 
@@ -71,42 +72,38 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
-@asynccontextmanager
-async def omnigate_serve(log_dir: Path, *args: str) -> AsyncIterator[ServerProcess]:
-    """``omnigate serve --engine piper`` (the offline voice) in a subprocess, ready; killed on the way out."""
+@contextmanager
+def omnigate_serve(log_dir: Path, *args: str) -> Iterator[ServerProcess]:
+    """``omnigate serve --engine piper`` (the offline voice) in a subprocess, ready; stopped on the way out."""
     port = free_port()
     log = log_dir / f"omnigate-{port}.log"
     with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            *[sys.executable, "-m", "omnigate.gateway.cli", "serve", "--engine", "piper", "--port", str(port), *args],
+        process = subprocess.Popen(
+            [sys.executable, "-m", "omnigate.gateway.cli", "serve", "--engine", "piper", "--port", str(port), *args],
             stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     server = ServerProcess(process, port, log)
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 120.0
-        async with httpx.AsyncClient() as client:
-            while True:
-                try:
-                    if (await client.get(f"{server.base_url}/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.returncode is None, log.read_text()
-                assert loop.time() < deadline, "the server did not become ready"
-                await asyncio.sleep(0.1)  # polling a starting process: no event to wait on
+        deadline = time.monotonic() + 120.0
+        while True:
+            try:
+                if httpx.get(f"{server.base_url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.1)  # polling a starting process: there is no event to wait on
         yield server
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass

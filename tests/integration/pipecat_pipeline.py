@@ -21,9 +21,9 @@ from pipecat.frames.frames import (
     TTSStoppedFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat.workers.runner import WorkerRunner
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.workers.runner import WorkerRunner
 
 from tests.integration.agent_pipelines import Timeline, now, paced
 
@@ -65,7 +65,7 @@ class RunningPipeline:
         return [f for _, f in self.upstream.frames if isinstance(f, ErrorFrame)]
 
     async def reply(self, text: str, *, interrupt_after_frames: int | None = None) -> Timeline:
-        """Stream ``text`` as an LLM turn; return when its TTSStoppedFrame (or, interrupted, the interruption) is out."""
+        """Stream ``text`` as an LLM turn; return once its TTSStoppedFrame (or the interruption) came out."""
         start = len(self.downstream.frames)
         timeline = Timeline(sample_rate=SAMPLE_RATE)
         await self.worker.queue_frame(LLMFullResponseStartFrame())
@@ -90,8 +90,10 @@ class RunningPipeline:
                 )
             else:
                 await self.downstream.wait_for(
-                    lambda: any(isinstance(f, TTSStoppedFrame) for _, f in self.downstream.since(start))
-                    and streaming.done()
+                    lambda: (
+                        any(isinstance(f, TTSStoppedFrame) for _, f in self.downstream.since(start))
+                        and streaming.done()
+                    )
                 )
         finally:
             streaming.cancel()
