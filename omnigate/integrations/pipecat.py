@@ -13,6 +13,7 @@ reopened with backoff if it drops (Pipecat's ``WebsocketTTSService``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
@@ -140,10 +141,9 @@ class OmnigateTTSService(WebsocketTTSService):
             self._ledger = UtteranceLedger()
             self._collecting_context, self._contexts, self._speaking = None, {}, None
             options = msgspec.structs.replace(self._options, sample_rate=self.sample_rate)
-            try:
+            # Refused right after the handshake (no free slot): the receive loop reads the server's error.
+            with contextlib.suppress(ConnectionClosed):
                 await self._websocket.send(options.config_event())
-            except ConnectionClosed:
-                pass  # refused right after the handshake (no free slot): the receive loop reads the server's error
             await self._call_event_handler("on_connected")
         except Exception as exc:
             self._websocket = None
