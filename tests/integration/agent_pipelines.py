@@ -73,13 +73,13 @@ class ServerProcess:
 
 
 @contextmanager
-def omnigate_serve(log_dir: Path, *args: str) -> Iterator[ServerProcess]:
-    """``omnigate serve --engine piper`` (the offline voice) in a subprocess, ready; stopped on the way out."""
+def omnigate_serve(log_dir: Path, *args: str, engine: str = "piper") -> Iterator[ServerProcess]:
+    """``omnigate serve`` (by default the offline piper voice) in a subprocess, ready; stopped on the way out."""
     port = free_port()
     log = log_dir / f"omnigate-{port}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "omnigate.gateway.cli", "serve", "--engine", "piper", "--port", str(port), *args],
+            [sys.executable, "-m", "omnigate.gateway.cli", "serve", "--engine", engine, "--port", str(port), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
