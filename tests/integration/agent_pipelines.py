@@ -25,6 +25,12 @@ REPLIES = (
     "Is there anything else I can do for you?",
     "That is a great question. The short answer is yes, the museum opens at nine. "
     "Tickets are cheaper if you book them online.",
+    "I found three flights for you. The earliest leaves at seven, and it is also the cheapest one. "
+    "Shall I hold a seat?",
+    "Thanks for waiting. I have reset your password, so you can sign in again now. "
+    "Please choose a new one when you do.",
+    "Good morning. Your first meeting starts in twenty minutes, in the small room on the second floor. "
+    "Nothing else is planned before lunch.",
 )
 
 
@@ -114,6 +120,7 @@ class Timeline:
     frame_times: list[float] = field(default_factory=list)
     frames: list[bytes] = field(default_factory=list)
     sample_rate: int = 0
+    interrupted_at: float | None = None
 
     def first_audio_after_first_sentence_ms(self, text: str) -> float:
         last_token = self.token_times[first_sentence_tokens(text) - 1]

@@ -84,6 +84,7 @@ class RunningPipeline:
             if interrupt_after_frames is not None:
                 await self.downstream.wait_for(lambda: len(audio()) >= interrupt_after_frames)
                 streaming.cancel()
+                timeline.interrupted_at = now()
                 await self.worker.queue_frame(InterruptionFrame())
                 await self.downstream.wait_for(
                     lambda: any(isinstance(f, InterruptionFrame) for _, f in self.downstream.since(start))
