@@ -98,6 +98,8 @@ class OmnigateTTSService(WebsocketTTSService):
         # The audio context of each utterance the connection has begun, by the server's utterance index.
         self._contexts: dict[int, str] = {}
         self._speaking: int | None = None  # the utterance whose audio.start came last
+        # Token by token, a server that is down would be reported once per token: once per context is enough.
+        self._unreachable_context: str | None = None
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -167,12 +169,15 @@ class OmnigateTTSService(WebsocketTTSService):
 
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
         """Send the text as it comes; the audio arrives on the receive task, in this context."""
+        if self._unreachable_context == context_id:
+            return  # already reported for this context
         if self._websocket is None or self._websocket.state is not State.OPEN:
             await self._connect()
         ws = self._websocket
         if ws is None:
-            yield ErrorFrame(error="omnigate is not connected")
+            self._unreachable_context = context_id  # _connect_websocket reported why
             return
+        self._unreachable_context = None
         try:
             if self._collecting_context not in (None, context_id) and self._ledger.flushed():
                 await ws.send(INPUT_DONE)  # a new context ends the utterance still collecting
