@@ -14,7 +14,9 @@ Measured inside the framework: the time from the first sentence's last token to 
 (LiveKit: the stream's first event; Pipecat: the first TTSAudioRawFrame after the service), p50/p95 over the replies;
 and for an interruption after the third audio frame, the time from the interruption to the last audio frame of the
 interrupted reply (LiveKit: ``stream.aclose()``, after which the stream yields nothing, so the figure is how long
-closing takes; Pipecat: an InterruptionFrame, then the last TTSAudioRawFrame of that reply's context at the sink).
+closing takes; Pipecat: an InterruptionFrame queued, then the last TTSAudioRawFrame of that reply's context at the
+sink, with the count of that reply's frames after the interruption was queued and after the InterruptionFrame itself).
+The plugin and the HTTP client speak each reply in turn, so both see the same load on a shared machine.
 Every client runs with the framework's defaults except the server address and the voice name (``alloy``).
 
     .venv/bin/python benchmarks/agent_plugins.py --out docs/benchmarks/agent_plugins.json
@@ -33,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from livekit.agents import APIConnectOptions
 from livekit.agents import tts as lk_tts
 from livekit.agents.tokenize import blingfire
 from livekit.plugins import openai as lk_openai
-from pipecat.frames.frames import TTSAudioRawFrame
+from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame
 from pipecat.services.openai.tts import OpenAITTSService
 
 from omnigate.integrations.livekit import TTS as OmnigateLiveKitTTS
@@ -104,23 +106,31 @@ async def livekit_reply(tts: lk_tts.TTS, text: str, interrupt_after: int | None 
     return timeline, close_ms
 
 
-async def run_livekit(make: Callable[[], lk_tts.TTS], replies: list[str]) -> dict[str, Any]:
-    tts = make()
+async def run_livekit(makers: dict[str, Callable[[], lk_tts.TTS]], replies: list[str]) -> dict[str, Any]:
+    """Both clients speak each reply in turn (plugin, then HTTP), so both see the same load on a shared machine."""
+    clients = {name: make() for name, make in makers.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in clients}
+    closes: dict[str, list[float]] = {name: [] for name in clients}
     try:
-        await livekit_reply(tts, REPLIES[0])  # warm-up: connections, decoders
-        latencies = []
+        for tts in clients.values():
+            await livekit_reply(tts, REPLIES[0])  # warm-up: connections, decoders
         for text in replies:
-            timeline, _ = await livekit_reply(tts, text)
-            latencies.append(timeline.first_audio_after_first_sentence_ms(text))
-        closes = []
+            for name, tts in clients.items():
+                timeline, _ = await livekit_reply(tts, text)
+                latencies[name].append(timeline.first_audio_after_first_sentence_ms(text))
         for text in replies[:10]:
-            _, close_ms = await livekit_reply(tts, text, interrupt_after=3)
-            closes.append(close_ms)
+            for name, tts in clients.items():
+                _, close_ms = await livekit_reply(tts, text, interrupt_after=3)
+                closes[name].append(close_ms)
     finally:
-        await tts.aclose()
+        for tts in clients.values():
+            await tts.aclose()
     return {
-        "first_sentence_to_first_audio": summary(latencies),
-        "interruption_to_last_audio": {**summary(closes), "frames_after_interruption": 0},
+        name: {
+            "first_sentence_to_first_audio": summary(latencies[name]),
+            "interruption_to_last_audio": {**summary(closes[name]), "frames_after_interruption": 0},
+        }
+        for name in clients
     }
 
 
@@ -139,33 +149,51 @@ def livekit_openai(base_url: str) -> Callable[[], lk_tts.TTS]:
 # ---- Pipecat ----------------------------------------------------------------------------------------------------
 
 
-async def run_pipecat(make: Callable[[], Any], replies: list[str]) -> dict[str, Any]:
-    async with pipeline(make()) as p:
-        await p.reply(REPLIES[0])  # warm-up
-        latencies = []
+async def run_pipecat(makers: dict[str, Callable[[], Any]], replies: list[str]) -> dict[str, Any]:
+    """Both services run in pipelines of their own and speak each reply in turn (plugin, then HTTP)."""
+    async with pipeline(makers["plugin"]()) as plugin, pipeline(makers["openai_http"]()) as http:
+        pipelines = {"plugin": plugin, "openai_http": http}
+        latencies: dict[str, list[float]] = {name: [] for name in pipelines}
+        stops: dict[str, list[float]] = {name: [] for name in pipelines}
+        late_frames: dict[str, list[int]] = {name: [] for name in pipelines}
+        past_interruption: dict[str, list[int]] = {name: [] for name in pipelines}
+        for p in pipelines.values():
+            await p.reply(REPLIES[0])  # warm-up
         for text in replies:
-            timeline = await p.reply(text)
-            latencies.append(timeline.first_audio_after_first_sentence_ms(text))
-        stops, late_frames = [], []
+            for name, p in pipelines.items():
+                timeline = await p.reply(text)
+                latencies[name].append(timeline.first_audio_after_first_sentence_ms(text))
         for text in replies[:10]:
-            start = len(p.downstream.frames)
-            interrupted = await p.reply(text, interrupt_after_frames=3)
-            assert interrupted.interrupted_at is not None
-            interrupted_at = interrupted.interrupted_at
-            # Audio of this reply that was already past the service may still arrive; wait for the next reply's
-            # context to start (a fresh reply proves the old context is gone) before reading the old one's last frame.
-            await p.reply(REPLIES[1])
-            frames = p.downstream.since(start)
-            first_context = next(f.context_id for _, f in frames if isinstance(f, TTSAudioRawFrame))
-            old = [t for t, f in frames if isinstance(f, TTSAudioRawFrame) and f.context_id == first_context]
-            stops.append(max(0.0, (old[-1] - interrupted_at) * 1000.0))
-            late_frames.append(sum(1 for t in old if t > interrupted_at))
-        errors = [e.error for e in p.errors()]
-    return {
-        "first_sentence_to_first_audio": summary(latencies),
-        "interruption_to_last_audio": {**summary(stops), "frames_after_interruption_max": max(late_frames)},
-        "errors": errors,
-    }
+            for name, p in pipelines.items():
+                start = len(p.downstream.frames)
+                interrupted = await p.reply(text, interrupt_after_frames=3)
+                assert interrupted.interrupted_at is not None
+                # Audio of this reply already past the service may still arrive: the next reply (a fresh context)
+                # comes after all of it, so its last frame is known once that reply is done.
+                await p.reply(REPLIES[1])
+                frames = p.downstream.since(start)
+                first_context = next(f.context_id for _, f in frames if isinstance(f, TTSAudioRawFrame))
+                old = [t for t, f in frames if isinstance(f, TTSAudioRawFrame) and f.context_id == first_context]
+                stops[name].append(max(0.0, (old[-1] - interrupted.interrupted_at) * 1000.0))
+                late_frames[name].append(sum(1 for t in old if t > interrupted.interrupted_at))
+                cut = next(i for i, (_, f) in enumerate(frames) if isinstance(f, InterruptionFrame))
+                past_interruption[name].append(
+                    sum(1 for _, f in frames[cut:] if isinstance(f, TTSAudioRawFrame) and f.context_id == first_context)
+                )
+        return {
+            name: {
+                "first_sentence_to_first_audio": summary(latencies[name]),
+                "interruption_to_last_audio": {
+                    **summary(stops[name]),
+                    "frames_after_interruption_max": max(late_frames[name]),
+                    "frames_after_interruption_total": sum(late_frames[name]),
+                    # Audio of the interrupted reply behind the InterruptionFrame itself at the sink.
+                    "frames_behind_interruption_frame_max": max(past_interruption[name]),
+                },
+                "errors": [e.error for e in p.errors()],
+            }
+            for name, p in pipelines.items()
+        }
 
 
 def pipecat_plugin(base_url: str) -> Callable[[], Any]:
@@ -183,19 +211,13 @@ def pipecat_openai(base_url: str) -> Callable[[], Any]:
 
 async def measure(base_url: str, replies: list[str], frameworks: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    runs: dict[str, tuple[Callable[[], Awaitable[dict[str, Any]]], Callable[[], Awaitable[dict[str, Any]]]]] = {
-        "livekit": (
-            lambda: run_livekit(livekit_plugin(base_url), replies),
-            lambda: run_livekit(livekit_openai(base_url), replies),
-        ),
-        "pipecat": (
-            lambda: run_pipecat(pipecat_plugin(base_url), replies),
-            lambda: run_pipecat(pipecat_openai(base_url), replies),
-        ),
-    }
     for framework in frameworks:
-        plugin, http = runs[framework]
-        results[framework] = {"plugin": await plugin(), "openai_http": await http()}
+        if framework == "livekit":
+            makers = {"plugin": livekit_plugin(base_url), "openai_http": livekit_openai(base_url)}
+            results[framework] = await run_livekit(makers, replies)
+        else:
+            makers = {"plugin": pipecat_plugin(base_url), "openai_http": pipecat_openai(base_url)}
+            results[framework] = await run_pipecat(makers, replies)
         plugin_p50 = results[framework]["plugin"]["first_sentence_to_first_audio"]["p50_ms"]
         http_p50 = results[framework]["openai_http"]["first_sentence_to_first_audio"]["p50_ms"]
         results[framework]["plugin_sooner_p50_ms"] = round(http_p50 - plugin_p50, 1)
