@@ -125,3 +125,14 @@ async def test_an_unreachable_server_is_an_api_connection_error(tmp_path: Path) 
     async with TTS(base_url="http://127.0.0.1:9", voice="alloy") as tts:
         with pytest.raises(APIConnectionError):
             await speak(tts, "Hello there.")
+
+
+async def test_the_api_key_goes_as_a_bearer_token(tmp_path: Path) -> None:
+    with omnigate_serve(tmp_path, "--api-key", "sk-agent") as keyed:
+        async with TTS(base_url=keyed.base_url, api_key="sk-agent", voice="alloy") as tts:
+            pcm, _, _ = await speak(tts, "Hello there.")
+        async with TTS(base_url=keyed.base_url, api_key="sk-wrong", voice="alloy") as tts:
+            with pytest.raises(APIStatusError) as refused:
+                await speak(tts, "Hello there.")
+    assert speech_fraction(pcm, 24000) > 0.5
+    assert refused.value.status_code == 401 and not refused.value.retryable

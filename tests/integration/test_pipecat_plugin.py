@@ -86,3 +86,15 @@ async def test_no_free_slot_is_an_error_frame(tmp_path: Path) -> None:
             async with pipeline(tts) as p:
                 await p.upstream.wait_for(lambda: any("server_busy" in e.error for e in p.errors()))
     assert isinstance(p.errors()[0], ErrorFrame)
+
+
+async def test_the_api_key_goes_as_a_bearer_token(tmp_path: Path) -> None:
+    with omnigate_serve(tmp_path, "--api-key", "sk-agent") as keyed:
+        async with pipeline(OmnigateTTSService(base_url=keyed.base_url, api_key="sk-agent", voice="alloy")) as p:
+            timeline = await p.reply(REPLIES[0])
+            assert not p.errors()
+        wrong = OmnigateTTSService(base_url=keyed.base_url, api_key="sk-wrong", voice="alloy")
+        async with pipeline(wrong) as p:
+            await p.upstream.wait_for(lambda: bool(p.errors()))
+            assert "401" in p.errors()[0].error
+    assert speech_fraction(timeline.pcm, SAMPLE_RATE) > 0.6
