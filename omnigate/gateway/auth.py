@@ -241,6 +241,8 @@ class AuthMiddleware:
                 message = {**message, "subprotocol": _pick_subprotocol(offered, credential)}
             elif kind == "websocket.close":
                 close_code.append(int(message.get("code", 1000)))
+            elif kind == "websocket.http.response.start":
+                gateway_logging.websocket_denied_var.set(True)  # a route's own denial response: logged by the route
             gaps.on_send(message)
             await send(message)
 

@@ -19,8 +19,9 @@ import time
 from typing import Any
 
 session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("omnigate_session_id", default=None)
-# Set when the auth middleware refused a WebSocket with an HTTP response: uvicorn then logs "ASGI callable returned
-# without completing handshake" as an error, although the denial response is the ASGI spec's way to refuse.
+# Set when a WebSocket was refused with an HTTP response (by the auth middleware, or a route's denial response passing
+# through it): uvicorn then logs "ASGI callable returned without completing handshake" as an error, although the
+# denial response is the ASGI spec's way to refuse and the refusal itself is logged where it is decided.
 websocket_denied_var: contextvars.ContextVar[bool] = contextvars.ContextVar("omnigate_ws_denied", default=False)
 _DENIAL_NOISE = "ASGI callable returned without completing handshake."
 # uvicorn logs a client's protocol violation as a server error with a traceback; it is the client's fault, already

@@ -131,11 +131,11 @@ async def test_g711_output_and_typed_refusals(synthetic_server: RunningServer) -
             {
                 "type": "session.update",
                 "event_id": "bad_1",
-                "session": {"type": "realtime", "tools": [{"type": "function", "name": "f"}]},
+                "session": {"type": "realtime", "audio": {"output": {"format": {"type": "audio/opus"}}}},
             }
         )
         error = await recv(connection)
-        assert error["error"]["code"] == "unsupported" and error["error"]["event_id"] == "bad_1"
+        assert error["error"]["code"] == "unsupported_format" and error["error"]["event_id"] == "bad_1"
         await connection.response.create(
             response={
                 "input": [
@@ -232,3 +232,51 @@ async def test_refusals_before_a_session_starts(synthetic_server: RunningServer)
             assert event["error"]["code"] == code
             await ws.wait_closed()
             assert ws.close_code == 1008
+
+
+async def test_an_agent_framework_session_update_is_accepted_and_echoed(synthetic_server: RunningServer) -> None:
+    """What LiveKit's and Pipecat's realtime clients send first: instructions, tools, semantic VAD, transcription."""
+    async with realtime(synthetic_server) as connection:
+        assert (await recv(connection))["type"] == "session.created"
+        await connection.session.update(
+            session={
+                "type": "realtime",
+                "instructions": "You are a helpful assistant.",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "get_weather",
+                        "description": "The weather in a city",
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                    }
+                ],
+                "tool_choice": "auto",
+                "max_output_tokens": "inf",
+                "audio": {
+                    "input": {
+                        "transcription": {"model": "gpt-4o-mini-transcribe"},
+                        "turn_detection": {"type": "semantic_vad", "eagerness": "medium", "create_response": True},
+                    },
+                    "output": {"voice": "marin"},
+                },
+            }
+        )
+        updated = await recv(connection)
+        assert updated["type"] == "session.updated", updated
+        session = updated["session"]
+        assert session["instructions"] == "You are a helpful assistant."
+        assert [tool["name"] for tool in session["tools"]] == ["get_weather"]
+        assert session["audio"]["input"]["transcription"] == {"model": "gpt-4o-mini-transcribe"}
+        assert {"session.instructions", "session.tools", "session.audio.input.turn_detection.type"} <= set(
+            session["unused_fields"]
+        )
+        # The session still speaks what it is given.
+        await connection.response.create(
+            response={
+                "input": [
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}
+                ]
+            }
+        )
+        events = await until(connection, "response.done")
+    assert events[-1]["response"]["status"] == "completed" and pcm_of(events)

@@ -97,24 +97,7 @@ def test_only_named_fields_change() -> None:
     [
         ({"type": "transcription"}, "unsupported", "session.type"),
         ({"model": "gpt-9"}, "model_not_found", "session.model"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "unsupported", "session.tools"),
-        ({"instructions": "be brief"}, "unsupported", "session.instructions"),
         ({"output_modalities": ["text"]}, "unsupported", "session.output_modalities"),
-        (
-            {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
-            "unsupported",
-            "session.audio.input.turn_detection.type",
-        ),
-        (
-            {"audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": True}}}},
-            "unsupported",
-            "session.audio.input.turn_detection.create_response",
-        ),
-        (
-            {"audio": {"input": {"transcription": {"model": "whisper-1"}}}},
-            "unsupported",
-            "session.audio.input.transcription",
-        ),
         (
             {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
             "unsupported_format",
@@ -142,13 +125,83 @@ def test_a_refused_update_changes_nothing() -> None:
         update(
             base,
             {
-                "audio": {
-                    "output": {"format": {"type": "audio/pcmu"}},
-                    "input": {"turn_detection": {"type": "semantic_vad"}},
-                }
+                "tools": [{"type": "function", "name": "f"}],
+                "audio": {"output": {"format": {"type": "audio/pcmu"}, "speed": 1.2}},
             },
         )
     assert base == default_config(TTS, "joe")  # configs are immutable values: the session keeps the old one
+
+
+# What LiveKit's and Pipecat's realtime clients send in their first session.update, whatever the model behind it.
+FRAMEWORK_SESSION: dict[str, object] = {
+    "type": "realtime",
+    "instructions": "You are a helpful assistant.",
+    "tools": [{"type": "function", "name": "lookup", "description": "d", "parameters": {"type": "object"}}],
+    "tool_choice": "auto",
+    "temperature": 0.8,
+    "max_output_tokens": "inf",
+    "include": ["item.input_audio_transcription.logprobs"],
+    "tracing": "auto",
+    "output_modalities": ["audio"],
+    "audio": {
+        "input": {
+            "format": {"type": "audio/pcm", "rate": 24000},
+            "transcription": {"model": "gpt-4o-mini-transcribe"},
+            "noise_reduction": {"type": "near_field"},
+            "turn_detection": {
+                "type": "semantic_vad",
+                "eagerness": "medium",
+                "create_response": True,
+                "interrupt_response": True,
+            },
+        },
+        "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "marin", "speed": 1.0},
+    },
+}
+
+
+def test_what_agent_frameworks_send_is_accepted_echoed_and_listed_as_unused() -> None:
+    config = update(default_config(TTS, "joe"), FRAMEWORK_SESSION)
+    wire = msgspec.to_builtins(session_object(config, "sess_1", TTS))
+    assert wire["instructions"] == "You are a helpful assistant."
+    assert wire["tools"][0]["name"] == "lookup" and wire["temperature"] == 0.8 and wire["tracing"] == "auto"
+    assert wire["include"] == ["item.input_audio_transcription.logprobs"]
+    assert wire["audio"]["input"]["transcription"] == {"model": "gpt-4o-mini-transcribe"}
+    assert wire["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
+    # Semantic VAD is served by the server VAD, and a TTS engine creates no responses of its own: said, not hidden.
+    assert wire["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    assert wire["audio"]["input"]["turn_detection"]["create_response"] is False
+    assert wire["unused_fields"] == [
+        "session.instructions",
+        "session.tools",
+        "session.temperature",
+        "session.include",
+        "session.audio.input.transcription",
+        "session.tracing",
+        "session.audio.input.noise_reduction",
+        "session.audio.input.turn_detection.create_response",
+        "session.audio.input.turn_detection.type",
+        "session.audio.input.turn_detection.eagerness",
+    ]
+    cleared = update(
+        config,
+        {
+            "instructions": "",
+            "tools": [],
+            "temperature": None,
+            "include": None,
+            "tracing": None,
+            "audio": {
+                "input": {"transcription": None, "noise_reduction": None, "turn_detection": {"type": "server_vad"}}
+            },
+        },
+    )
+    assert session_object(cleared, "sess_1", TTS).unused_fields == []
+
+
+def test_a_response_with_instructions_and_tools_is_accepted() -> None:
+    params = msgspec.convert({"instructions": "Say hi", "tools": [{"type": "function", "name": "f"}]}, ResponseParams)
+    assert response_settings(default_config(TTS, "joe"), params, TTS, resolve).voice == "joe"
 
 
 def test_duplex_rules() -> None:

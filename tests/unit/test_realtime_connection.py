@@ -297,15 +297,14 @@ async def test_refused_session_update_keeps_the_previous_config(pool: EnginePool
         "session.update",
         event_id="u1",
         session={
-            "audio": {
-                "output": {"format": {"type": "audio/pcmu"}},
-                "input": {"turn_detection": {"type": "semantic_vad"}},
-            }
+            "tools": [{"type": "function", "name": "f"}],
+            "audio": {"output": {"format": {"type": "audio/pcmu"}}},
+            "output_modalities": ["text"],
         },
     )
     error = await client.next()
     assert error["error"]["code"] == "unsupported" and error["error"]["event_id"] == "u1"
-    assert error["error"]["param"] == "session.audio.input.turn_detection.type"
+    assert error["error"]["param"] == "session.output_modalities"
     client.send("session.update", session={})
     after = (await client.next())["session"]
     assert after == before

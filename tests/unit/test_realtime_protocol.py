@@ -50,7 +50,8 @@ def validate_server_event(event: dict[str, Any]) -> OpenAIModel:
     assert not extra, f"{kind} has extra fields {extra}"
     if kind in ("session.created", "session.updated"):
         session_extra = set((parsed.session.model_extra or {}).keys())  # type: ignore[attr-defined]
-        assert session_extra <= {"capabilities", "id", "object"}, session_extra
+        # capabilities and unused_fields are omnigate's; temperature echoes what beta-era clients still send.
+        assert session_extra <= {"capabilities", "id", "object", "unused_fields", "temperature"}, session_extra
     return parsed
 
 

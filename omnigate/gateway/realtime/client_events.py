@@ -1,10 +1,10 @@
 """Client events of the OpenAI Realtime protocol (GA names), as the gateway parses them.
 
-Shapes follow the ``openai`` package's models (``openai/types/realtime/``). Fields a client may send but the gateway
-does not act on are still declared when they could ask for something (tools, transcription, noise reduction), so a
-request the engine cannot honour is refused instead of ignored; other unknown fields are ignored, as OpenAI's server
-ignores them. ``UNSET`` marks a field the client left out, which ``session.update`` leaves unchanged (``null``
-clears, per the protocol).
+Shapes follow the ``openai`` package's models (``openai/types/realtime/``). Fields agent frameworks send whether or
+not the engine acts on them (tools, temperature, transcription, noise reduction, ...) are declared, so a session keeps
+and echoes them and names the ones its engine does not use (``session.unused_fields``); other unknown fields are
+ignored, as OpenAI's server ignores them. ``UNSET`` marks a field the client left out, which ``session.update`` leaves
+unchanged (``null`` clears, per the protocol).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class SessionPatch(msgspec.Struct, frozen=True):
     include: list[str] | UnsetType | None = UNSET
     prompt: dict[str, Any] | UnsetType | None = UNSET
     reasoning: dict[str, Any] | UnsetType | None = UNSET
+    temperature: float | UnsetType | None = UNSET
+    tracing: str | dict[str, Any] | UnsetType | None = UNSET
+    truncation: str | dict[str, Any] | UnsetType | None = UNSET
 
 
 class ContentPart(msgspec.Struct, frozen=True):
@@ -111,6 +114,7 @@ class ResponseParams(msgspec.Struct, frozen=True):
     max_output_tokens: int | str | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = None
 
 
 class _Client(msgspec.Struct, frozen=True, tag_field="type"):

@@ -1,8 +1,11 @@
 """The effective configuration of a realtime session and the rules that change it.
 
-``session.update`` changes only the fields it names; anything the engine cannot honour refuses the whole update
-with a typed error and the session keeps its previous configuration. ``response.create`` may override a few fields
-for one response, under the same rules.
+``session.update`` changes only the fields it names. Agent frameworks send a full session (instructions, tools,
+temperature, transcription, semantic VAD, ...) whatever the model behind it: what the engine does not act on is
+accepted, kept, echoed in ``session.updated`` and named in ``session.unused_fields``. Only what would change what the
+client hears in a way the engine cannot honour (an output format or rate, a speed, text-only output from a speech
+engine) refuses the whole update with a typed error, and the session keeps its previous configuration.
+``response.create`` may override a few fields for one response, under the same rules.
 """
 
 from __future__ import annotations
@@ -51,11 +54,31 @@ class ConfigRefused(Exception):
 
 
 class TurnDetection(msgspec.Struct, frozen=True):
-    """Server VAD as configured: the detector's knobs and what a detected turn does."""
+    """Server VAD as configured: the detector's knobs and what a detected turn does.
+
+    ``unused`` names what the client asked for that the engine serves otherwise (semantic VAD is served by the
+    server VAD; a ``create_response`` the engine cannot follow keeps the engine's own behaviour).
+    """
 
     settings: TurnDetectionSettings
     create_response: bool
     interrupt_response: bool
+    unused: tuple[str, ...] = ()
+
+
+class Passthrough(msgspec.Struct, frozen=True):
+    """Session fields kept as the client sent them and echoed back; the engine behind the session may not use them."""
+
+    tools: tuple[Any, ...] = ()
+    tool_choice: str | dict[str, Any] = "auto"
+    temperature: float | None = None
+    include: tuple[str, ...] | None = None
+    prompt: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    tracing: str | dict[str, Any] | None = None
+    truncation: str | dict[str, Any] = "auto"
+    transcription: dict[str, Any] | None = None
+    noise_reduction: dict[str, Any] | None = None
 
 
 class RealtimeConfig(msgspec.Struct, frozen=True):
@@ -68,6 +91,7 @@ class RealtimeConfig(msgspec.Struct, frozen=True):
     input_format: str = "audio/pcm"
     output_format: str = "audio/pcm"
     max_output_tokens: int | None = None  # None: "inf"
+    passthrough: Passthrough = Passthrough()
 
 
 class ResponseSettings(msgspec.Struct, frozen=True):
@@ -109,33 +133,35 @@ def apply_update(
             raise ConfigRefused("model_not_found", f"model {patch.model!r} is not served", "session.model")
         changes["model"] = patch.model
     if patch.instructions is not UNSET:
-        changes["instructions"] = _instructions(patch.instructions or "", caps, "session.instructions")
+        changes["instructions"] = patch.instructions or ""
     if patch.output_modalities is not UNSET:
         changes["output_modalities"] = _modalities(patch.output_modalities, caps, "session.output_modalities")
     if patch.max_output_tokens is not UNSET:
         changes["max_output_tokens"] = _max_tokens(patch.max_output_tokens, "session.max_output_tokens")
-    _refuse_features(patch.tools, patch.tool_choice, "session")
-    if patch.include not in (UNSET, None, []):
-        raise ConfigRefused(
-            "unsupported", "no input transcription is served, so nothing can be included", "session.include"
-        )
-    if patch.prompt not in (UNSET, None):
-        raise ConfigRefused("unsupported", "stored prompts are not served", "session.prompt")
-    if patch.reasoning not in (UNSET, None):
-        raise ConfigRefused("unsupported", "the engine does not reason", "session.reasoning")
+    kept: dict[str, Any] = {}
+    if patch.tools is not UNSET:
+        kept["tools"] = tuple(patch.tools or ())
+    if patch.tool_choice is not UNSET:
+        kept["tool_choice"] = patch.tool_choice if patch.tool_choice is not None else "auto"
+    if patch.temperature is not UNSET:
+        kept["temperature"] = patch.temperature
+    if patch.include is not UNSET:
+        kept["include"] = tuple(patch.include) if patch.include is not None else None
+    for name in ("prompt", "reasoning", "tracing"):
+        value = getattr(patch, name)
+        if value is not UNSET:
+            kept[name] = value
+    if patch.truncation is not UNSET:
+        kept["truncation"] = patch.truncation if patch.truncation is not None else "auto"
     if patch.audio is not UNSET:
         audio_in = patch.audio.input
         if audio_in is not UNSET:
             if audio_in.format is not UNSET:
                 changes["input_format"] = _format(audio_in.format, "session.audio.input.format")
-            if audio_in.transcription not in (UNSET, None):
-                raise ConfigRefused(
-                    "unsupported", "input audio transcription is not served", "session.audio.input.transcription"
-                )
-            if audio_in.noise_reduction not in (UNSET, None):
-                raise ConfigRefused(
-                    "unsupported", "input noise reduction is not served", "session.audio.input.noise_reduction"
-                )
+            if audio_in.transcription is not UNSET:
+                kept["transcription"] = audio_in.transcription
+            if audio_in.noise_reduction is not UNSET:
+                kept["noise_reduction"] = audio_in.noise_reduction
             if audio_in.turn_detection is not UNSET:
                 changes["turn_detection"] = _turn_detection(audio_in.turn_detection, config.turn_detection, caps)
         audio_out = patch.audio.output
@@ -153,7 +179,39 @@ def apply_update(
                 changes["voice"] = voice
             if audio_out.speed is not UNSET:
                 changes["speed"] = _speed(audio_out.speed, caps)
+    if kept:
+        changes["passthrough"] = msgspec.structs.replace(config.passthrough, **kept)
     return msgspec.structs.replace(config, **changes)
+
+
+def unused_fields(config: RealtimeConfig, caps: RealtimeCapabilities) -> list[str]:
+    """The session fields the client set that the engine behind the session does not act on, as parameter paths."""
+    kept = config.passthrough
+    unused: list[str] = []
+    if config.instructions and not caps.instructions:
+        unused.append("session.instructions")
+    if not caps.tools:
+        if kept.tools:
+            unused.append("session.tools")
+        if kept.tool_choice not in ("auto", "none"):
+            unused.append("session.tool_choice")
+    if kept.temperature is not None:
+        unused.append("session.temperature")  # no served engine samples with a client temperature
+    if not caps.input_transcription:
+        if kept.include:
+            unused.append("session.include")
+        if kept.transcription is not None:
+            unused.append("session.audio.input.transcription")
+    for name in ("prompt", "reasoning", "tracing"):
+        if getattr(kept, name) is not None:
+            unused.append(f"session.{name}")
+    if kept.truncation != "auto":
+        unused.append("session.truncation")
+    if kept.noise_reduction is not None:
+        unused.append("session.audio.input.noise_reduction")
+    if config.turn_detection is not None:
+        unused.extend(config.turn_detection.unused)
+    return unused
 
 
 def response_settings(
@@ -177,13 +235,12 @@ def response_settings(
     if params.conversation not in (None, "auto", "none"):
         raise ConfigRefused("unsupported", "only the default conversation is served", "response.conversation")
     changes["in_conversation"] = params.conversation != "none"
-    if params.instructions is not None:
-        _instructions(params.instructions, caps, "response.instructions")
+    # response.instructions, tools, tool_choice and temperature are accepted like the session's: a response speaks
+    # its input items, which these do not change on an engine that composes no text of its own.
     if params.output_modalities is not None:
         changes["output_modalities"] = _modalities(params.output_modalities, caps, "response.output_modalities")
     if params.max_output_tokens is not None:
         changes["max_output_tokens"] = _max_tokens(params.max_output_tokens, "response.max_output_tokens")
-    _refuse_features(params.tools, params.tool_choice, "response")
     if params.metadata is not None:
         if len(params.metadata) > MAX_METADATA_KEYS:
             raise ConfigRefused(
@@ -215,17 +272,32 @@ def session_object(config: RealtimeConfig, session_id: str, caps: RealtimeCapabi
             create_response=td.create_response,
             interrupt_response=td.interrupt_response,
         )
+    kept = config.passthrough
     return WireSession(
         id=session_id,
         model=config.model,
         output_modalities=list(config.output_modalities),
         instructions=config.instructions,
         audio=WireSessionAudio(
-            input=WireAudioInput(format=wire_format(config.input_format), turn_detection=turn),
+            input=WireAudioInput(
+                format=wire_format(config.input_format),
+                turn_detection=turn,
+                transcription=kept.transcription,
+                noise_reduction=kept.noise_reduction,
+            ),
             output=WireAudioOutput(format=wire_format(config.output_format), voice=config.voice, speed=config.speed),
         ),
         max_output_tokens="inf" if config.max_output_tokens is None else config.max_output_tokens,
         capabilities=caps.wire(),
+        unused_fields=unused_fields(config, caps),
+        tools=list(kept.tools),
+        tool_choice=kept.tool_choice,
+        temperature=kept.temperature,
+        include=list(kept.include) if kept.include is not None else None,
+        prompt=kept.prompt,
+        reasoning=kept.reasoning,
+        tracing=kept.tracing,
+        truncation=kept.truncation,
     )
 
 
@@ -234,16 +306,6 @@ def wire_format(name: str) -> WireAudioFormat:
 
 
 # ---- field rules --------------------------------------------------------------------------------------------------
-
-
-def _instructions(text: str, caps: RealtimeCapabilities, param: str) -> str:
-    if text and not caps.instructions:
-        raise ConfigRefused(
-            "unsupported",
-            f"the {caps.engine} engine takes no instructions; send none (or an empty string)",
-            param,
-        )
-    return text
 
 
 def _modalities(modalities: list[str], caps: RealtimeCapabilities, param: str) -> tuple[str, ...]:
@@ -262,13 +324,6 @@ def _max_tokens(value: int | str | None, param: str) -> int | None:
     if isinstance(value, int) and 1 <= value <= MAX_OUTPUT_TOKENS:
         return value
     raise ConfigRefused("invalid_value", f"max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or 'inf'", param)
-
-
-def _refuse_features(tools: Any, tool_choice: Any, scope: str) -> None:
-    if tools not in (UNSET, None, []):
-        raise ConfigRefused("unsupported", "the engine calls no tools", f"{scope}.tools")
-    if tool_choice not in (UNSET, None, "auto", "none"):
-        raise ConfigRefused("unsupported", "the engine calls no tools", f"{scope}.tool_choice")
 
 
 def _format(fmt: AudioFormat, param: str) -> str:
@@ -306,9 +361,25 @@ def _turn_detection(
     param = "session.audio.input.turn_detection"
     if requested is None:
         return None
-    if isinstance(requested, SemanticVad):
-        raise ConfigRefused("unsupported", "semantic_vad is not served; use server_vad", f"{param}.type")
     base = current or TurnDetection(TurnDetectionSettings(), caps.create_response, True)
+    unused: list[str] = []
+    interrupt = base.interrupt_response if requested.interrupt_response is UNSET else requested.interrupt_response
+    create = base.create_response if requested.create_response is UNSET else requested.create_response
+    if create != caps.create_response:
+        if caps.native_duplex:
+            # A duplex model replies when it decides to: the client would hear replies it asked not to get.
+            raise ConfigRefused(
+                "unsupported",
+                "create_response=false is not served: the duplex model decides itself when to reply",
+                f"{param}.create_response",
+            )
+        unused.append(f"{param}.create_response")  # the engine speaks the assistant items the client creates
+    if isinstance(requested, SemanticVad):
+        # Served by the server VAD with its current knobs: the turn ends on silence rather than on meaning.
+        unused.append(f"{param}.type")
+        if requested.eagerness is not UNSET:
+            unused.append(f"{param}.eagerness")
+        return TurnDetection(base.settings, caps.create_response, interrupt, tuple(unused))
     settings = base.settings
     knobs: dict[str, Any] = {}
     if requested.threshold is not UNSET:
@@ -319,19 +390,6 @@ def _turn_detection(
         knobs["prefix_padding_ms"] = requested.prefix_padding_ms
     if requested.silence_duration_ms is not UNSET:
         knobs["silence_duration_ms"] = requested.silence_duration_ms
-    create = base.create_response if requested.create_response is UNSET else requested.create_response
-    if create != caps.create_response:
-        reason = (
-            "the duplex model decides itself when to reply"
-            if caps.native_duplex
-            else f"the {caps.engine} engine composes no replies: it speaks the assistant items you create"
-        )
-        raise ConfigRefused(
-            "unsupported", f"create_response={str(create).lower()} is not served: {reason}", f"{param}.create_response"
-        )
     if requested.idle_timeout_ms not in (UNSET, None):
-        raise ConfigRefused(
-            "unsupported", "idle_timeout_ms needs a model that composes replies on its own", f"{param}.idle_timeout_ms"
-        )
-    interrupt = base.interrupt_response if requested.interrupt_response is UNSET else requested.interrupt_response
-    return TurnDetection(msgspec.structs.replace(settings, **knobs), create, interrupt)
+        unused.append(f"{param}.idle_timeout_ms")  # needs a model that composes replies on its own
+    return TurnDetection(msgspec.structs.replace(settings, **knobs), caps.create_response, interrupt, tuple(unused))

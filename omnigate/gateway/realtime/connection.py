@@ -67,6 +67,7 @@ from omnigate.gateway.realtime.config import (
     default_config,
     response_settings,
     session_object,
+    unused_fields,
 )
 from omnigate.gateway.realtime.outbox import (
     Closing,
@@ -191,6 +192,7 @@ class RealtimeConnection:
         self._audio_items: dict[str, Item] = {}
         self._previous: dict[str, str | None] = {}
         self._audio_sent = False
+        self._logged_unused: set[str] = set()  # each unused field is logged once per session
         self._pending_input_bytes = 0
         self._user_item_id: str | None = None
         self._detector: TurnDetector | None = None
@@ -372,8 +374,8 @@ class RealtimeConnection:
             resolve_voice=self._resolve_voice,
             voice_locked=self._audio_sent,
         )
-        speech = (config.voice, config.speed, config.instructions)
-        if speech != (self.config.voice, self.config.speed, self.config.instructions):
+        speech = (config.voice, config.speed, config.instructions if self.caps.instructions else "")
+        if speech != (self.config.voice, self.config.speed, self.config.instructions if self.caps.instructions else ""):
             if self._active is not None:
                 raise ConfigRefused(
                     "response_in_progress", "voice, speed and instructions change only between responses", "session"
@@ -385,6 +387,10 @@ class RealtimeConnection:
         self.config = config
         if turn_changed:
             self._configure_vad()
+        unused = [name for name in unused_fields(config, self.caps) if name not in self._logged_unused]
+        if unused:
+            self._logged_unused.update(unused)
+            log.info("session fields the %s engine does not use (kept and echoed): %s", self.caps.engine, unused)
         self._emit(SessionUpdated(event_id=self._event_id(), session=self._session()))
 
     def _on_append(self, event: InputAudioBufferAppend) -> None:

@@ -50,8 +50,8 @@ class WireTurnDetection(msgspec.Struct, frozen=True):
 class WireAudioInput(msgspec.Struct, frozen=True):
     format: WireAudioFormat
     turn_detection: WireTurnDetection | None
-    transcription: None = None
-    noise_reduction: None = None
+    transcription: dict[str, Any] | None = None
+    noise_reduction: dict[str, Any] | None = None
 
 
 class WireAudioOutput(msgspec.Struct, frozen=True):
@@ -92,12 +92,16 @@ class WireSession(msgspec.Struct, frozen=True):
     audio: WireSessionAudio
     max_output_tokens: int | str
     capabilities: WireCapabilities
+    # The fields set on this session that its engine does not act on (an omnigate extension), as parameter paths.
+    unused_fields: list[str] = []
     tools: list[Any] = []
-    tool_choice: str = "auto"
-    tracing: None = None
-    truncation: str = "auto"
-    prompt: None = None
-    include: None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    temperature: float | None = None
+    tracing: str | dict[str, Any] | None = None
+    truncation: str | dict[str, Any] = "auto"
+    prompt: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
     type: str = "realtime"
     object: str = "realtime.session"
 

@@ -128,7 +128,8 @@ class TtsBackend(Backend):
         return SessionConfig(
             voice=config.voice,
             speed=config.speed,
-            instructions=config.instructions or None,
+            # Instructions reach only an engine that takes them; otherwise the session lists them as unused.
+            instructions=(config.instructions or None) if self.pool.info.capabilities.instructions else None,
             max_audio_ms=max_audio_ms,
             segmenter=self._segmenter,
         )
