@@ -53,6 +53,10 @@ class CoreConnection:
             with contextlib.suppress(ConnectionError, OSError):
                 await self._writer.wait_closed()
 
+    def disconnect(self) -> None:
+        """Drop the connection (the core is stopping): :meth:`serve` ends its calls and returns."""
+        self._writer.transport.abort()
+
     async def _dispatch(self, frame: Frame) -> None:
         if frame.kind is FrameKind.OPEN:
             if frame.call in self._streams:
@@ -62,7 +66,9 @@ class CoreConnection:
         elif frame.kind is FrameKind.CANCEL:
             running = self._streams.get(frame.call)
             if running is not None:
+                # Waited for, so that whatever the gateway sends next sees the slot already free.
                 running.cancel()
+                await asyncio.wait({running})
         elif frame.kind is FrameKind.CONTROL:
             await self._unary(frame.call, self._core.control(frame.body))
         elif frame.kind is FrameKind.STATS:
@@ -100,18 +106,22 @@ class CoreConnection:
         await self._writer.drain()
 
 
-async def serve_core(core: ReplicaCore, socket_path: str, stop: asyncio.Event) -> None:
-    """Serve ``core`` on ``socket_path`` until ``stop`` is set. The socket is readable by this user only."""
-    connections: set[asyncio.Task[None]] = set()
+async def serve_core(
+    core: ReplicaCore, socket_path: str, stop: asyncio.Event, ready: asyncio.Event | None = None
+) -> None:
+    """Serve ``core`` on ``socket_path`` until ``stop`` is set (``ready`` is set once it listens). The socket is
+    readable by this user only."""
+    connections: dict[CoreConnection, asyncio.Task[None]] = {}
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        connections.add(task)
+        connection = CoreConnection(core, reader, writer)
+        connections[connection] = task
         try:
-            await CoreConnection(core, reader, writer).serve()
+            await connection.serve()
         finally:
-            connections.discard(task)
+            connections.pop(connection, None)
 
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
@@ -121,11 +131,14 @@ async def serve_core(core: ReplicaCore, socket_path: str, stop: asyncio.Event) -
     finally:
         os.umask(old_umask)
     log.info("engine core %s serving on %s", core.replica, socket_path)
+    if ready is not None:
+        ready.set()
     async with server:
         await stop.wait()
         server.close()
-        for task in list(connections):
-            task.cancel()
-        await asyncio.gather(*connections, return_exceptions=True)
+        tasks = list(connections.values())
+        for connection in list(connections):
+            connection.disconnect()
+        await asyncio.gather(*tasks, return_exceptions=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
