@@ -570,6 +570,10 @@ def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Itera
         str(port),
         "--log-level",
         "warning",
+        "--engine-process",
+        args.engine_process,
+        "--workers",
+        str(args.workers),
     ]
     log(f"server: {shlex.join(command)}")
     with log_path.open("wb") as sink:
@@ -583,6 +587,15 @@ def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Itera
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
+
+
+def gateway_pid(server: subprocess.Popen[bytes]) -> int:
+    """The process whose CPU the load test samples: the serve process itself, or with an engine core the first
+    gateway worker the serve supervisor started (the core and the other workers are its other children)."""
+    import psutil
+
+    workers = [child.pid for child in psutil.Process(server.pid).children() if "--attach-core" in child.cmdline()]
+    return min(workers) if workers else server.pid
 
 
 def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> float:
@@ -783,9 +796,11 @@ def run_server_phase(args: argparse.Namespace, out_dir: Path, save: Callable[[di
     with running_server(args, port, out_dir / "server.log") as server:
         result["ready_s"] = wait_ready(url, server, timeout_s=600)
         log(f"server ready in {result['ready_s']:.1f} s")
+        pid = gateway_pid(server)
+        result["engine_process"], result["workers"], result["sampled_pid"] = args.engine_process, args.workers, pid
         levels = [int(v) for v in args.levels.split(",") if v]
         for sessions in levels:
-            result["levels"].append(run_level(args, url, server.pid, sessions, out_dir))
+            result["levels"].append(run_level(args, url, pid, sessions, out_dir))
             save(result)
         passed = [lv["sessions"] for lv in result["levels"] if lv["passed"]]
         failed = [lv["sessions"] for lv in result["levels"] if not lv["passed"]]
@@ -802,7 +817,7 @@ def run_server_phase(args: argparse.Namespace, out_dir: Path, save: Callable[[di
                 break
             else:
                 probe = (low + high) // 2
-            level = run_level(args, url, server.pid, probe, out_dir)
+            level = run_level(args, url, pid, probe, out_dir)
             result["levels"].append(level)
             if level["passed"]:
                 low = probe
@@ -864,7 +879,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8,
         help="load-test processes per level, sessions spread evenly (so that no client process is what saturates)",
     )
+    parser.add_argument(
+        "--engine-process",
+        choices=["auto", "core", "inline"],
+        default="auto",
+        help="serve's --engine-process: the engine in an engine-core process or in the gateway process",
+    )
+    parser.add_argument("--workers", type=int, default=1, help="serve's --workers (gateway processes on one core)")
     args = parser.parse_args(argv)
+    if args.engine_process != "inline" and (args.profile_engine or args.switch_interval_ms is not None):
+        parser.error("--profile-engine and --switch-interval-ms profile a gateway that runs its engine inline")
     args.started = time.perf_counter()
     if args.engine_option is None:
         args.engine_option = [

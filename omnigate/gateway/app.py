@@ -70,6 +70,24 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
                 raise
             pool, stop_pool = remote, remote.close
             slots = remote.info.max_sessions * max(1, remote.replicas_up)
+        elif settings.core_socket is not None:
+            from omnigate.engines.core.client import connect_core_pool
+
+            try:
+                core_pool, transport = await connect_core_pool(
+                    settings.core_socket, retry_after_s=settings.retry_after_s
+                )
+            except Exception as exc:
+                gateway.load_error = f"{type(exc).__name__}: {exc}"
+                log.error("the engine core did not answer: %s", gateway.load_error)
+                raise
+            # The core is the authority on slots: every gateway process may try them all, the core refuses the rest.
+            pool, slots = core_pool, core_pool.info.max_sessions
+
+            async def stop_pool() -> None:
+                await core_pool.close()
+                await transport.close()
+
         else:
             loaded = engine
             if loaded is None:

@@ -102,6 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="local: the engine runs in this process; ray: engine replicas on a Ray cluster (deployed with "
         "'python -m omnigate.engines.remote deploy'; --engine/--model are theirs, not this process's)",
     )
+    eng.add_argument(
+        "--engine-process",
+        default=_DEFAULTS.engine_process,
+        choices=["auto", "core", "inline"],
+        help="core: the engine runs in an engine-core process of its own, which the gateway processes reach over "
+        "a Unix socket (their event loops never share a GIL with the engine); inline: in the gateway process; "
+        "auto: core for the talker and whenever --workers is above 1, inline otherwise (duplex and Ray are "
+        "always inline)",
+    )
+    eng.add_argument(
+        "--workers",
+        type=int,
+        default=_DEFAULTS.workers,
+        help="gateway processes sharing the port (SO_REUSEPORT), all attached to one engine core",
+    )
+    eng.add_argument("--attach-core", default=None, help=argparse.SUPPRESS)  # set by serve for its workers
     eng.add_argument("--ray-address", default=None, help="with --engine-pool ray: the cluster, HOST:PORT")
     eng.add_argument(
         "--ray-app-prefix",
@@ -274,6 +290,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         engine_pool=args.engine_pool,
         ray_address=args.ray_address,
         ray_app_prefix=args.ray_app_prefix,
+        engine_process=args.engine_process,
+        workers=args.workers,
+        core_socket=args.attach_core,
         video_model=args.video_model,
         video_options=dict(args.video_option),
         duplex_model=args.duplex_model,
@@ -299,17 +318,48 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
+def engine_process(settings: Settings) -> str:
+    """Where the engine runs, ``core`` or ``inline``, for these settings. Raises ``ValueError`` for a choice that
+    cannot work."""
+    if settings.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    choice = settings.engine_process
+    inline_only = None
+    if settings.engine_pool == "ray":
+        inline_only = "with --engine-pool ray the engine replicas run on the Ray cluster"
+    elif settings.engine == "duplex":
+        inline_only = "a duplex engine serves its sessions through the gateway's own process"
+    if inline_only is not None:
+        if choice == "core" or settings.workers > 1:
+            raise ValueError(f"--engine-process core and --workers need a text-to-speech engine pool: {inline_only}")
+        return "inline"
+    if choice == "auto":
+        return "core" if settings.engine == "talker" or settings.workers > 1 else "inline"
+    if choice == "inline" and settings.workers > 1:
+        raise ValueError("--workers above 1 needs --engine-process core: the workers share one engine core")
+    return choice
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    serve_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(serve_argv)
     try:
         settings = settings_from_args(args)
+        where = engine_process(settings)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     problem = exposure_problem(settings)
     if problem is not None:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)
+    if where == "core" and settings.core_socket is None:
+        from omnigate.gateway.supervisor import supervise
+
+        logging.getLogger(__name__).info(
+            "engine core with %d gateway worker(s) on http://%s:%d", settings.workers, settings.host, settings.port
+        )
+        return supervise(serve_argv, settings.workers)
     from omnigate.gateway.app import create_app
     from omnigate.gateway.drain import DrainingServer
     from omnigate.gateway.server_config import uvicorn_config
@@ -324,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
     )
     server = DrainingServer(config, app.state.gateway, settings.drain_timeout_s)
-    sock = bind_listener(settings.host, settings.port, settings.socket_send_buffer_bytes)
+    sock = bind_listener(
+        settings.host, settings.port, settings.socket_send_buffer_bytes, reuse_port=settings.core_socket is not None
+    )
     logging.getLogger(__name__).info("listening on http://%s:%d", settings.host, settings.port)
     logging.getLogger(__name__).info(auth_summary(settings))
     server.run(sockets=[sock])

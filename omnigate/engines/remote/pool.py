@@ -298,6 +298,10 @@ class RemoteEnginePool:
     def health_problem(self) -> str | None:
         if self.router.replicas_up == 0:
             return "no engine replica is reachable"
+        stats = self._stats()
+        problems = [s.health_problem for s in stats]
+        if stats and all(problems):
+            return problems[0]  # every replica's engine is failing: nothing here can serve
         return None
 
     # The engine tier's counters, summed over the replicas' last stats (they count every gateway's streams).

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from omnigate.engines.base import Engine, EngineError, EngineOutput, StreamDone
@@ -62,14 +62,23 @@ class ReplicaCore:
         ttfa_target_s: float = 0.25,
         retry_after_s: float = 1.0,
         gateway_lease_s: float = 30.0,
+        step_timeout_s: float = 60.0,
+        failure_threshold: int = 3,
     ) -> None:
-        """Streams of a gateway not heard from for ``gateway_lease_s`` are ended (gateways renew every second)."""
+        """Streams of a gateway not heard from for ``gateway_lease_s`` are ended (gateways renew every second).
+        ``step_timeout_s`` and ``failure_threshold`` are the local pool's fault limits."""
         self.replica = replica
         self.retry_after_s = retry_after_s
         self.gateway_lease_s = gateway_lease_s
         self._heard: dict[str, float] = {}
         self._reaper: asyncio.Task[None] | None = None
-        self.pool = EnginePool(engine, ttfa_target_s=ttfa_target_s, retry_after_s=retry_after_s)
+        self.pool = EnginePool(
+            engine,
+            ttfa_target_s=ttfa_target_s,
+            retry_after_s=retry_after_s,
+            step_timeout_s=step_timeout_s,
+            failure_threshold=failure_threshold,
+        )
         self.pool.start()
         self.draining = False
         self._streams: dict[str, _Served] = {}
@@ -77,7 +86,7 @@ class ReplicaCore:
 
     # ---- calls ------------------------------------------------------------------------------------------------
 
-    async def stream(self, data: bytes) -> AsyncIterator[bytes]:
+    async def stream(self, data: bytes) -> AsyncGenerator[bytes, None]:
         """One utterance: ``Opened`` or ``Refused``, then ``Outputs`` until a ``StreamDone``."""
         request = decode_open(data)
         self._renew(request.gateway)

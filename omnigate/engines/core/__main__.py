@@ -1,0 +1,71 @@
+"""``python -m omnigate.engines.core --socket PATH serve [serve options]``: run one engine core.
+
+``omnigate serve`` starts it (and restarts it) when the engine runs in a core process; it takes the same serve
+options, so the engine, its model and its limits are those the gateway was asked for. It exits on SIGTERM and
+ignores SIGINT: an interrupt goes to the serve supervisor, which drains the gateways before stopping the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+
+from omnigate.engines.core.server import serve_core
+from omnigate.engines.registry import load_engine
+from omnigate.engines.remote.replica import ReplicaCore
+from omnigate.gateway.cli import build_parser, settings_from_args
+from omnigate.gateway.logging import configure_logging
+
+log = logging.getLogger("omnigate.engines.core")
+
+
+async def _serve(core: ReplicaCore, socket_path: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await serve_core(core, socket_path, stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    own = argparse.ArgumentParser(prog="python -m omnigate.engines.core", description=__doc__)
+    own.add_argument("--socket", required=True, help="the Unix socket path to serve on")
+    known, rest = own.parse_known_args(argv)
+    settings = settings_from_args(build_parser().parse_args(rest))
+    configure_logging(settings.log_level, settings.log_json)
+    engine = load_engine(settings.engine, settings.model, **settings.engine_options)
+    core = ReplicaCore(
+        engine,
+        f"core-{os.getpid()}-{uuid.uuid4().hex[:8]}",  # a new name per start: gateways see a restart as one
+        ttfa_target_s=settings.ttfa_target_s,
+        retry_after_s=settings.retry_after_s,
+        step_timeout_s=settings.engine_step_timeout_s,
+        failure_threshold=settings.engine_failure_threshold,
+    )
+    log.info(
+        "engine core pid %d: %s model %s, %d slots",
+        os.getpid(),
+        engine.info.family,
+        engine.info.model,
+        engine.info.max_sessions,
+    )
+    gc.collect()
+    gc.freeze()  # the loaded model's objects stay out of the collector's walks (as in the gateway)
+    try:
+        import uvloop
+
+        uvloop.run(_serve(core, known.socket))
+    finally:
+        core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

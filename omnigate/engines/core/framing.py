@@ -1,0 +1,87 @@
+"""Frames on the engine-core socket: a fixed binary header and a msgpack body, encoded and decoded sans I/O.
+
+The bodies are the remote pool's messages (:mod:`omnigate.engines.remote.protocol`), already msgpack; a frame only
+says which call a body belongs to and what it is, so PCM crosses the socket as the bytes of one msgpack ``bin``,
+never pickled and never re-encoded. Every frame is bounded by :data:`MAX_FRAME_BYTES`; a peer that sends a longer
+one, or an unknown kind, is a protocol error and its connection is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+# body length, kind, call id (network byte order)
+HEADER = struct.Struct("!IBI")
+# An audio chunk is tens of kilobytes; the largest control message carries the texts of a batch of streams.
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries. Gateway to core: OPEN, CANCEL, CONTROL, STATS. Core to gateway: the rest."""
+
+    OPEN = 1  # start a stream call: an ``OpenStream``
+    STREAM = 2  # one message of a stream call: ``Opened``, ``Refused`` or ``Outputs``
+    END = 3  # the stream call ended (after its terminal message); empty body
+    CANCEL = 4  # the gateway gives up a stream call: the core aborts the stream and frees its slot; empty body
+    CONTROL = 5  # a ``ControlBatch``
+    STATS = 6  # the gateway's id (UTF-8): asks for ``ReplicaStats`` and renews the gateway's streams
+    REPLY = 7  # the answer to CONTROL (a ``ReplicaReport``) or STATS (a ``ReplicaStats``)
+    ERROR = 8  # the call failed inside the core; the body is a UTF-8 description
+
+
+_KINDS = frozenset(int(k) for k in FrameKind)
+
+
+class FrameError(Exception):
+    """The peer broke the framing: an oversized frame or an unknown kind."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: FrameKind
+    call: int
+    body: bytes
+
+
+def encode_frame(kind: FrameKind, call: int, body: bytes = b"") -> bytes:
+    """One frame as bytes. Raises :class:`FrameError` for a body over :data:`MAX_FRAME_BYTES`."""
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameError(f"a frame body of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(body), kind, call) + body
+
+
+class FrameDecoder:
+    """Bytes in, whole frames out. Holds at most one partial frame (bounded by :data:`MAX_FRAME_BYTES`)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Frames completed by ``data``, in order. Raises :class:`FrameError`."""
+        self._buffer += data
+        frames: list[Frame] = []
+        view = memoryview(self._buffer)
+        offset = 0
+        try:
+            while len(view) - offset >= HEADER.size:
+                length, kind, call = HEADER.unpack_from(view, offset)
+                if length > MAX_FRAME_BYTES:
+                    raise FrameError(f"a frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+                if kind not in _KINDS:
+                    raise FrameError(f"unknown frame kind {kind}")
+                end = offset + HEADER.size + length
+                if end > len(view):
+                    break
+                frames.append(Frame(FrameKind(kind), call, bytes(view[offset + HEADER.size : end])))
+                offset = end
+        finally:
+            view.release()
+        del self._buffer[:offset]
+        return frames
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of a frame not yet complete."""
+        return len(self._buffer)
