@@ -33,8 +33,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     ws_max_text_event_bytes: int = 128 * 1024
     ws_max_config_bytes: int = 4 * 1024 * 1024
     http_max_body_bytes: int = 1024 * 1024
-    max_input_chars: int = 4096  # one HTTP request's input, one speech-stream utterance's text
-    max_pending_input_chars: int = 16_384  # speech-stream text accepted but not yet spoken, per session
+    max_input_chars: int = 4096  # one HTTP request's input
+    # speech-stream text: one utterance's (input.text events up to input.done), and accepted but not yet spoken
+    # per session (16 384 characters are some 18 minutes of speech, beyond max_utterance_audio_s)
+    max_utterance_chars: int = 16_384
+    max_pending_input_chars: int = 65_536
     # timeouts
     config_timeout_s: float = 10.0
     idle_timeout_s: float = 30.0

@@ -180,7 +180,7 @@ async def test_session_close_finishes_flushed_speech_then_closes(synthetic_serve
 
 
 async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_session_survives() -> None:
-    with serve(Settings(engine="synthetic", model="ms_per_char=5", max_input_chars=100)) as server:
+    with serve(Settings(engine="synthetic", model="ms_per_char=5", max_utterance_chars=100)) as server:
         async with connect(server.ws_url + STREAM) as ws:
             await send(ws, "session.config", response_format="pcm")
             words = "many words and no full stop " * 2  # 56 characters: held by the segmenter, nothing spoken yet
