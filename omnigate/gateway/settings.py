@@ -67,6 +67,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # authentication: SHA-256 hex digests of the accepted API keys (the process never keeps a key itself)
     api_key_hashes: tuple[str, ...] = ()
     allow_unauthenticated_public: bool = False  # with no key, serve beyond loopback anyway
+    # web page origins (https://app.example:3000) besides the server's own that may use it while auth is off
+    allowed_origins: tuple[str, ...] = ()
     metrics_require_auth: bool = False
     client_secret_ttl_s: float = 60.0  # default lifetime of a browser client secret
     client_secret_max_ttl_s: float = 7200.0

@@ -112,6 +112,10 @@ async def speech_endpoint(request: Request) -> Response:
     try:
         if gateway.pool is None:
             raise HttpError(503, "the engine is not loaded yet", code="not_ready", retry_after_s=1.0)
+        # As OpenAI's API. It also keeps other sites' pages out: a page may send a cross-site form or text/plain
+        # POST without asking, but a JSON one only after a CORS preflight this server does not grant.
+        if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
+            raise HttpError(415, "send the request body as application/json", code="unsupported_media_type")
         try:
             body = await _read_body(request, gateway.settings.http_max_body_bytes)
         except ClientDisconnect:
