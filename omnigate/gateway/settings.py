@@ -73,6 +73,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     client_secret_ttl_s: float = 60.0  # default lifetime of a browser client secret
     client_secret_max_ttl_s: float = 7200.0
     max_client_secrets: int = 10_000  # unexpired secrets held at once
+    max_client_secrets_per_key: int = 1_000  # of them minted by one API key (one tenant cannot lock out the rest)
+    client_secret_max_session_bytes: int = 16 * 1024  # the session configuration kept with a secret, as JSON
     web_token_url: str | None = None  # where the web client fetches a client secret (None: no auth on the page)
     # per-key limits (None: unlimited)
     max_sessions_per_key: int | None = None
