@@ -51,13 +51,17 @@ def check_stored_session(session: dict[str, Any], max_bytes: int) -> None:
         raise StoredSessionInvalid(f"invalid {kind} session: {exc}") from None
 
 
-def stored_session_event(scope: Scope, kind: str) -> str | None:
-    """The client event (JSON text) that applies the session minted with this connection's client secret, when it
-    configures a ``kind`` session (``realtime`` or ``speech``) and names more than its type; else None."""
+def minted_session(scope: Scope) -> dict[str, Any] | None:
+    """The session minted with the client secret this request or connection was admitted with, if any."""
     principal = scope.get("state", {}).get("principal")
-    if not isinstance(principal, Principal) or principal.session is None:
+    return principal.session if isinstance(principal, Principal) else None
+
+
+def stored_session_event(session: dict[str, Any] | None, kind: str) -> str | None:
+    """The client event (JSON text) that applies a minted ``session`` when it configures a ``kind`` session
+    (``realtime`` or ``speech``) and names more than its type; else None."""
+    if session is None:
         return None
-    session = principal.session
     fields = {k: v for k, v in session.items() if k != "type"}
     if session.get("type") != kind or not fields:
         return None

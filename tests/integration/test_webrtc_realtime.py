@@ -6,10 +6,12 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 from aiortc.mediastreams import AudioStreamTrack
 
+from omnigate.gateway.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.webrtc.call import REALTIME_CHANNEL
 from tests.audio_checks import synthetic_ms
@@ -135,3 +137,23 @@ async def test_a_speech_channel_beside_realtime_is_refused_typed(rtc_realtime_se
     assert error["type"] == "error" and error["code"] == "channel_in_use"
     assert not listener.of("error")
     await assert_freed(rtc_realtime_server)
+
+
+async def test_the_session_minted_with_the_calls_client_secret_configures_it() -> None:
+    key = "webrtc-test-key"
+    settings = Settings(engine="synthetic", webrtc_host_addresses=LOOPBACK, api_key_hashes=(api_key_hash(key),))
+    with serve(settings) as server:
+        async with httpx.AsyncClient(base_url=server.http_url, headers={"authorization": f"Bearer {key}"}) as client:
+            minted = await client.post(
+                "/v1/realtime/client_secrets",
+                json={"session": {"type": "realtime", "audio": {"output": {"voice": "noise", "speed": 1.5}}}},
+            )
+        secret = {"authorization": f"Bearer {minted.json()['value']}"}
+        listener = Listener()
+        async with call(server, listener, None, REALTIME_CHANNEL, headers=secret):
+            await listener.until(lambda: bool(listener.of("session.updated") or listener.of("error")))
+        assert not listener.of("error"), listener.of("error")
+        [updated] = listener.of("session.updated")
+        assert updated["session"]["audio"]["output"] == {**updated["session"]["audio"]["output"], "voice": "noise",
+                                                         "speed": 1.5}  # fmt: skip
+        await assert_freed(server)
