@@ -4,7 +4,9 @@ With chunked transfer, a body that ends with its terminating chunk is a complete
 that could not be finished (the engine failed, the session was closed) is aborted instead: the connection is
 closed without the terminating chunk, and clients see an incomplete read rather than a cut-off file saved as whole.
 A client that accepts nothing for the stall timeout is dropped the same way, so it cannot hold its session and
-engine stream for the session's maximum duration.
+engine stream for the session's maximum duration. (What the dropped connection had buffered, at most the socket's
+send buffer and uvicorn's write buffer, stays with its file descriptor until the client reads or goes away: the
+event loop's close waits for the flush, and ASGI does not hand a route the transport to abort.)
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ class AbortableStreamingResponse(Response):
         self.media_type = media_type
         self.background = None
         self.init_headers(headers)
-        self.outcome = "pending"  # then: completed, aborted, stalled or disconnected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -66,8 +67,6 @@ class AbortableStreamingResponse(Response):
         # The request body was read before the response began: what remains to receive is the disconnect.
         while (await receive())["type"] != "http.disconnect":
             pass
-        if self.outcome == "pending":
-            self.outcome = "disconnected"
 
     async def _stream(self, send: Send) -> None:
         try:
@@ -78,13 +77,10 @@ class AbortableStreamingResponse(Response):
                 if chunk:
                     await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
             await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
-            self.outcome = "completed"
         except BodyAborted as exc:
             # Returning without the last body message makes the server close the connection unterminated.
-            self.outcome = "aborted"
             log.warning("streamed response aborted: %s", exc)
         except _Stalled:
-            self.outcome = "stalled"
             log.info("closing a stalled HTTP client")
 
     async def _send(self, send: Send, message: Message | dict[str, Any]) -> None:
