@@ -166,7 +166,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         Route("/v1/realtime/video/calls", video_calls_endpoint, methods=["POST"]),
         *web_routes(settings.web_token_url),
     ]
-    client_secrets = ClientSecretStore(settings.max_client_secrets)
+    client_secrets = ClientSecretStore(settings.max_client_secrets, settings.max_client_secrets_per_key)
     # Outermost of the app's own middleware, so it covers every route, HTTP and WebSocket alike.
     auth = Middleware(
         AuthMiddleware,

@@ -11,16 +11,20 @@ from omnigate.codecs.formats import get_format
 
 
 class AudioOut:
-    """One encoder for one audio stream (a sentence on the speech stream, a whole response over HTTP)."""
+    """One encoder for one audio stream (a sentence on the speech stream, a whole response over HTTP).
+
+    A costly encode runs on a worker thread, which cancelling the awaiting task does not stop; a disconnect's
+    ``finally`` then calls :meth:`close` while that thread may still be inside the codec. PyAV containers are not
+    thread-safe (closing one under a running encode crashes the process), so a close that finds an encode running
+    leaves the closing to that encode's thread, and nothing is encoded after a close.
+    """
 
     def __init__(self, fmt: str, input_rate: int, output_rate: int | None = None) -> None:
         self.encoder = AudioEncoder(fmt, input_rate, output_rate)
         self.bytes_out = 0
-        # A codec runs in a worker thread, and the task awaiting it can be cancelled (the client went away) while it
-        # still runs there: closing the codec under it crashes the process (PyAV frees what the encoder is using).
-        # So a codec is used by one thread at a time, and a close that finds it busy is left to the thread using it.
-        self._lock = threading.Lock()
-        self._close_pending = False
+        # Held only to read and flip the two flags below, never across an encode: close() on the loop never waits.
+        self._state = threading.Lock()
+        self._encoding = False
         self._closed = False
 
     @classmethod
@@ -42,40 +46,37 @@ class AudioOut:
         return f"{fmt.content_type};rate={self.output_rate}" if fmt.name == "pcm" else fmt.content_type
 
     async def encode(self, pcm: bytes) -> bytes:
-        if self.encoder.costly:
-            data = await asyncio.to_thread(self._exclusive, self.encoder.encode, pcm)
-        else:
-            data = self.encoder.encode(pcm)
-        self.bytes_out += len(data)
-        return data
-
-    def close(self) -> None:
-        """Drop an encoder that will not be finished (the stream was cut off); never while a thread still uses it."""
-        self._close_pending = True
-        if self._lock.acquire(blocking=False):
-            try:
-                self._close_now()
-            finally:
-                self._lock.release()
+        """The bytes of the next piece of PCM (none once the stream was closed)."""
+        return await self._run(lambda: self.encoder.encode(pcm))
 
     async def finish(self) -> bytes:
-        if self.encoder.costly:
-            data = await asyncio.to_thread(self._exclusive, lambda _: self.encoder.flush(), b"")
-        else:
-            data = self.encoder.flush()
+        """The stream's last bytes (none once it was closed)."""
+        return await self._run(self.encoder.flush)
+
+    def close(self) -> None:
+        """Drop an encoder that will not be finished (the stream was cut off). Never blocks: an encode still
+        running on a worker thread closes the encoder itself when it returns. Safe to call twice."""
+        with self._state:
+            self._closed = True
+            if self._encoding:
+                return
+        self.encoder.close()
+
+    async def _run(self, work: Callable[[], bytes]) -> bytes:
+        data = await asyncio.to_thread(self._guarded, work) if self.encoder.costly else self._guarded(work)
         self.bytes_out += len(data)
         return data
 
-    def _exclusive(self, work: Callable[[bytes], bytes], pcm: bytes) -> bytes:
-        """Run codec work in this worker thread, alone; a close requested meanwhile happens here, after it."""
-        with self._lock:
-            try:
-                return b"" if self._closed else work(pcm)
-            finally:
-                if self._close_pending:
-                    self._close_now()
-
-    def _close_now(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.encoder.close()
+    def _guarded(self, work: Callable[[], bytes]) -> bytes:
+        with self._state:
+            if self._closed:
+                return b""
+            self._encoding = True
+        try:
+            return work()
+        finally:
+            with self._state:
+                self._encoding = False
+                close_here = self._closed
+            if close_here:
+                self.encoder.close()

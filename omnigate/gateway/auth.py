@@ -31,6 +31,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnigate.gateway import logging as gateway_logging
+from omnigate.gateway.browser_guard import BrowserPolicy, BrowserRefusal, cors_headers
 from omnigate.gateway.credentials import (
     ANONYMOUS,
     CLIENT_SECRET_PREFIX,
@@ -126,6 +127,7 @@ class AuthMiddleware:
         self.clock = clock
         self.monotonic = monotonic
         settings = gateway.settings
+        self.browser = BrowserPolicy.from_settings(settings)
         self.rate_limiter = (
             KeyRateLimiter(settings.requests_per_s_per_key, settings.request_burst_per_key)
             if settings.requests_per_s_per_key is not None
@@ -140,6 +142,17 @@ class AuthMiddleware:
         # Each connection and request runs in its own task, so the id stays with the records logged after the app
         # returns (uvicorn's own lines about this connection) and goes away with the task.
         gateway_logging.session_id_var.set(gateway_logging.new_session_id())
+        try:
+            cors_origin = self.browser.check(scope)
+        except BrowserRefusal as exc:
+            await self._refuse(scope, send, Refusal(403, exc.code, exc.message))
+            return
+        if cors_origin is not None:
+            if kind == "http" and scope["method"] == "OPTIONS":
+                await send({"type": "http.response.start", "status": 204, "headers": cors_headers(cors_origin, True)})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            send = _with_cors(send, cors_origin)
         if self._is_open(scope):
             await self.app(scope, receive, send)
             return
@@ -287,6 +300,17 @@ class _ChunkGaps:
         if self._last is not None:
             self._histogram.observe(now - self._last)
         self._last = now if message.get("more_body", True) else None
+
+
+def _with_cors(send: Send, origin: str) -> Send:
+    """``send`` adding an allowed foreign origin's CORS headers to the response."""
+
+    async def send_with_cors(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *cors_headers(origin, False)]}
+        await send(message)
+
+    return send_with_cors
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

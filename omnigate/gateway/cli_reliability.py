@@ -33,6 +33,14 @@ def add_reliability_options(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with no API key configured, still listen on a non-loopback address",
     )
+    auth.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="without an API key on loopback, browser pages may use the server only from its own origin and from "
+        "this one (scheme://host:port), repeatable; it gets CORS headers",
+    )
     auth.add_argument("--metrics-auth", action="store_true", help="require an API key for /metrics too")
     auth.add_argument(
         "--client-secret-ttl",
@@ -75,6 +83,7 @@ def reliability_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "api_key_hashes": tuple(dict.fromkeys(digests)),
         "allow_unauthenticated_public": args.allow_unauthenticated_public,
+        "allowed_origins": tuple(args.allow_origin),
         "metrics_require_auth": args.metrics_auth,
         "client_secret_ttl_s": args.client_secret_ttl,
         "web_token_url": args.web_token_url,

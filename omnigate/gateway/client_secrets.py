@@ -2,8 +2,9 @@
 
 The caller authenticates with an API key; the secret it gets back opens one session (a WebSocket or a WebRTC call)
 before ``expires_at``. OpenAI's secrets may open several sessions; ours open one, so a leaked secret is worth at most
-one session. The optional ``session`` object is kept with the secret and handed to the route of the session it
-opens (``request.state.principal.session``).
+one session. The optional ``session`` object (checked, and bounded in size) is kept with the secret and applied when
+the session it opens begins (:mod:`omnigate.gateway.client_session`). Secrets are bounded in number per minting key
+as well as in all, so one key cannot lock out the others.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from omnigate.gateway.client_session import StoredSessionInvalid, check_stored_session
 from omnigate.gateway.credentials import ANONYMOUS, ClientSecretStore, Principal, StoreFull
 from omnigate.gateway.errors import HttpError, describe_validation_error
 from omnigate.gateway.state import Gateway
@@ -80,6 +82,10 @@ async def client_secrets_endpoint(request: Request) -> Response:
             )
         session = dict(req.session) if req.session is not None else {}
         session.setdefault("type", "realtime")
+        try:
+            check_stored_session(session, settings.client_secret_max_session_bytes)
+        except StoredSessionInvalid as exc:
+            raise HttpError(400, exc.message, code="invalid_value", param=exc.param) from None
         now = time.time()
         try:
             minted = store.mint(principal, ttl_s, now, session)

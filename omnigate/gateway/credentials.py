@@ -10,6 +10,7 @@ import contextvars
 import hashlib
 import heapq
 import secrets
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -90,7 +91,7 @@ class SecretRefused(Exception):
 
 
 class StoreFull(Exception):
-    """Too many unexpired client secrets are outstanding."""
+    """Too many unexpired client secrets are outstanding, in all or for the minting key."""
 
 
 class MintedSecret(msgspec.Struct, frozen=True):
@@ -106,16 +107,20 @@ class _Record(msgspec.Struct):
 
 
 class ClientSecretStore:
-    """Outstanding client secrets, bounded in number; each admits one session before it expires.
+    """Outstanding client secrets, bounded in number in all and per minting key; each admits one session before it
+    expires.
 
     Secrets are kept by digest, so a memory dump holds none. ``now`` is wall-clock seconds (``time.time()``),
-    the clock ``expires_at`` is reported in.
+    the clock ``expires_at`` is reported in. Expired secrets are swept on every call; a used one keeps only its
+    digest and expiry (to answer ``client_secret_used``), not its session.
     """
 
-    def __init__(self, max_secrets: int) -> None:
+    def __init__(self, max_secrets: int, max_per_key: int | None = None) -> None:
         self.max_secrets = max_secrets
+        self.max_per_key = max_per_key
         self._records: dict[str, _Record] = {}
         self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, digest)
+        self._per_key: Counter[str] = Counter()
         self.minted_total = 0
 
     def __len__(self) -> int:
@@ -126,10 +131,13 @@ class ClientSecretStore:
         self._expire(now)
         if len(self._records) >= self.max_secrets:
             raise StoreFull(f"{self.max_secrets} client secrets are outstanding")
+        if self.max_per_key is not None and self._per_key[owner.id] >= self.max_per_key:
+            raise StoreFull(f"this API key has {self.max_per_key} client secrets outstanding, its limit")
         value = CLIENT_SECRET_PREFIX + secrets.token_urlsafe(32)
         digest = api_key_hash(value)
         expires_at = now + ttl_s
         self._records[digest] = _Record(owner, expires_at, session)
+        self._per_key[owner.id] += 1
         heapq.heappush(self._expiry, (expires_at, digest))
         self.minted_total += 1
         return MintedSecret(value, expires_at)
@@ -137,6 +145,7 @@ class ClientSecretStore:
     def check(self, value: str, now: float) -> Principal:
         """The principal a secret stands for, without using it up. Raises :class:`SecretRefused`."""
         record = self._records.get(api_key_hash(value))
+        self._expire(now)  # after the lookup: an expired secret is still told apart from an unknown one
         if record is None:
             raise SecretRefused("invalid_client_secret", "the client secret is not valid")
         if record.used:
@@ -148,10 +157,20 @@ class ClientSecretStore:
     def consume(self, value: str, now: float) -> Principal:
         """Use the secret for one session. Raises :class:`SecretRefused`."""
         principal = self.check(value, now)
-        self._records[api_key_hash(value)].used = True
+        record = self._records[api_key_hash(value)]
+        record.used = True
+        record.session = None  # handed to the session it opens; nothing else needs it
         return principal
+
+    def outstanding(self, owner_id: str) -> int:
+        """Unexpired secrets minted by ``owner_id`` (used ones included until they expire)."""
+        return self._per_key[owner_id]
 
     def _expire(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
             _, digest = heapq.heappop(self._expiry)
-            self._records.pop(digest, None)
+            record = self._records.pop(digest, None)
+            if record is not None:
+                self._per_key[record.owner.id] -= 1
+                if self._per_key[record.owner.id] <= 0:
+                    del self._per_key[record.owner.id]

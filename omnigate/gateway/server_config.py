@@ -18,14 +18,18 @@ from omnigate.gateway.settings import Settings
 
 # uvicorn's ws implementation: sans-I/O websockets on uvloop, the fastest of uvicorn's WebSocket stacks.
 WS_IMPLEMENTATION = "websockets-sansio"
+# uvicorn's HTTP implementation, named rather than "auto": "auto" silently falls back to pure-Python h11 when
+# httptools is missing, which costs every HTTP request and body chunk (benchmarks/http_tts.py measures both).
+HTTP_IMPLEMENTATION = "httptools"
 
 
 def uvicorn_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Config:
-    """A uvicorn ``Config`` for the gateway app: uvloop, sans-I/O websockets, the settings' frame limit and no
-    WebSocket compression on any route. ``overrides`` are further ``uvicorn.Config`` arguments (logging,
-    shutdown timeout); they cannot turn compression back on."""
+    """A uvicorn ``Config`` for the gateway app: uvloop, httptools, sans-I/O websockets, the settings' frame limit
+    and no WebSocket compression on any route. ``overrides`` are further ``uvicorn.Config`` arguments (logging,
+    shutdown timeout, the HTTP parser of a benchmark); they cannot turn compression back on."""
     options: dict[str, Any] = {
         "loop": "uvloop",
+        "http": HTTP_IMPLEMENTATION,
         "ws": WS_IMPLEMENTATION,
         "ws_max_size": settings.ws_max_message_bytes,
         "lifespan": "on",

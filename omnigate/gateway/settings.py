@@ -39,7 +39,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     ws_max_text_event_bytes: int = 128 * 1024
     ws_max_config_bytes: int = 4 * 1024 * 1024
     http_max_body_bytes: int = 1024 * 1024
-    max_input_chars: int = 4096
+    max_input_chars: int = 4096  # one HTTP request's input
+    # speech-stream text: one utterance's (input.text events up to input.done), and accepted but not yet spoken
+    # per session (16 384 characters are some 18 minutes of speech, beyond max_utterance_audio_s)
+    max_utterance_chars: int = 16_384
+    max_pending_input_chars: int = 65_536
     # timeouts
     config_timeout_s: float = 10.0
     idle_timeout_s: float = 30.0
@@ -69,10 +73,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # authentication: SHA-256 hex digests of the accepted API keys (the process never keeps a key itself)
     api_key_hashes: tuple[str, ...] = ()
     allow_unauthenticated_public: bool = False  # with no key, serve beyond loopback anyway
+    # web page origins (https://app.example:3000) besides the server's own that may use it while auth is off
+    allowed_origins: tuple[str, ...] = ()
     metrics_require_auth: bool = False
     client_secret_ttl_s: float = 60.0  # default lifetime of a browser client secret
     client_secret_max_ttl_s: float = 7200.0
     max_client_secrets: int = 10_000  # unexpired secrets held at once
+    max_client_secrets_per_key: int = 1_000  # of them minted by one API key (one tenant cannot lock out the rest)
+    client_secret_max_session_bytes: int = 16 * 1024  # the session configuration kept with a secret, as JSON
     web_token_url: str | None = None  # where the web client fetches a client secret (None: no auth on the page)
     # per-key limits (None: unlimited)
     max_sessions_per_key: int | None = None

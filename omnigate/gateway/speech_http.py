@@ -1,20 +1,23 @@
-"""``POST /v1/audio/speech``: OpenAI's TTS API, streamed with chunked transfer (or SSE with ``stream_format=sse``)."""
+"""``POST /v1/audio/speech``: OpenAI's TTS API, streamed with chunked transfer (or SSE with ``stream_format=sse``).
+
+A response whose speech is cut off after the audio began (the engine failed, the session was closed) is aborted,
+never finished as if complete (see :mod:`omnigate.gateway.http_stream`); over SSE an ``error`` event comes first.
+"""
 
 from __future__ import annotations
 
 import base64
-import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Literal
 
 import msgspec
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.audio_out import AudioOut
 from omnigate.gateway.errors import UNDECODABLE, HttpError, describe_validation_error
+from omnigate.gateway.http_stream import AbortableStreamingResponse, BodyAborted
 from omnigate.gateway.metrics import Metrics
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.voices import resolve_voice
@@ -32,8 +35,6 @@ from omnigate.sessions.messages import (
 from omnigate.sessions.registry import SessionLimitReached
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, synthesis_params
-
-log = logging.getLogger(__name__)
 
 TRANSPORT = "http-speech"
 # OpenAI's TTS output is 24 kHz for every format (Opus is carried at 48 kHz).
@@ -111,6 +112,10 @@ async def speech_endpoint(request: Request) -> Response:
     try:
         if gateway.pool is None:
             raise HttpError(503, "the engine is not loaded yet", code="not_ready", retry_after_s=1.0)
+        # As OpenAI's API. It also keeps other sites' pages out: a page may send a cross-site form or text/plain
+        # POST without asking, but a JSON one only after a CORS preflight this server does not grant.
+        if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
+            raise HttpError(415, "send the request body as application/json", code="unsupported_media_type")
         try:
             body = await _read_body(request, gateway.settings.http_max_body_bytes)
         except ClientDisconnect:
@@ -134,12 +139,12 @@ async def speech_endpoint(request: Request) -> Response:
     driver.submit(Flush())
     out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
 
-    # The first event decides the status: a refusal before any audio is still an HTTP error.
     def cleanup() -> None:
         out.close()
         driver.release()
         lease.release()
 
+    # The first event decides the status: a refusal before any audio is still an HTTP error.
     first = await driver.next_event()
     if isinstance(first, ErrorEvent):
         cleanup()
@@ -148,41 +153,62 @@ async def speech_endpoint(request: Request) -> Response:
             status, first.message, code=first.code, retry_after_s=1.0 if status == 503 else None
         ).response()
 
-    async def audio_bytes() -> AsyncIterator[bytes]:
+    async def audio_bytes() -> AsyncGenerator[bytes, None]:
         event: object = first
+        error: ErrorEvent | None = None
         try:
             while True:
                 if isinstance(event, MediaChunk):
                     data = await out.encode(event.pcm)
                     if data:
                         yield data
+                elif isinstance(event, ErrorEvent):
+                    error = event
                 elif isinstance(event, UtteranceDone):
+                    if event.status in ("error", "cancelled"):
+                        raise SpeechCutOff(error or ErrorEvent("generation_failed", event.error or event.status))
                     tail = await out.finish()
                     if tail:
                         yield tail
-                    if event.status == "error":
-                        log.warning("speech request ended with an engine error after audio began")
                     return
                 elif isinstance(event, SessionClosed):
-                    return
+                    raise SpeechCutOff(error or ErrorEvent(event.code or event.reason, "the session was closed"))
                 event = await driver.next_event()
         finally:
             cleanup()
 
-    # The background task also runs when the client went away before the body started.
-    background = BackgroundTask(cleanup)
     rate = {"x-sample-rate": str(out.output_rate)}
+    stall_s = gateway.settings.stall_timeout_s
     if req.stream_format == "sse":
-        return StreamingResponse(
-            _sse(audio_bytes(), req.input, out), media_type="text/event-stream", headers=rate, background=background
+        sse = _sse(audio_bytes(), req.input, out)
+        return AbortableStreamingResponse(
+            sse, media_type="text/event-stream", headers=rate, stall_timeout_s=stall_s, on_end=cleanup
         )
-    return StreamingResponse(audio_bytes(), media_type=out.content_type, headers=rate, background=background)
+    return AbortableStreamingResponse(
+        audio_bytes(), media_type=out.content_type, headers=rate, stall_timeout_s=stall_s, on_end=cleanup
+    )
 
 
-async def _sse(audio: AsyncIterator[bytes], text: str, out: AudioOut) -> AsyncIterator[bytes]:
-    async for data in audio:
-        event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
-        yield b"data: " + msgspec.json.encode(event) + b"\n\n"
+class SpeechCutOff(BodyAborted):
+    """The speech ended before the whole input was spoken (the engine failed, the session was closed)."""
+
+    def __init__(self, error: ErrorEvent) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+async def _sse(audio: AsyncGenerator[bytes, None], text: str, out: AudioOut) -> AsyncGenerator[bytes, None]:
+    try:
+        async for data in audio:
+            event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+            yield b"data: " + msgspec.json.encode(event) + b"\n\n"
+    except SpeechCutOff as exc:
+        # An SSE client reads events, not the transfer encoding: it is told why before the stream is aborted.
+        error = {"message": exc.error.message, "type": "server_error", "param": None, "code": exc.error.code}
+        yield b"data: " + msgspec.json.encode({"type": "error", "error": error}) + b"\n\n"
+        raise
+    finally:
+        await audio.aclose()
     input_tokens = len(text.split())
     output_tokens = out.bytes_out // 2
     done = {

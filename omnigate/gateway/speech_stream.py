@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.codecs.encoder import complete_wav
 from omnigate.gateway.audio_out import AudioOut
+from omnigate.gateway.client_session import minted_session, stored_session_event
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.metrics import Metrics
 from omnigate.gateway.speech_adapter import (
@@ -64,6 +65,9 @@ async def speech_stream_endpoint(ws: WebSocket) -> None:
             await ws.accept()
             connection = SpeechStreamConnection(ws, gateway, metrics)
             lease.driver = connection.driver
+            minted = stored_session_event(minted_session(ws.scope), "speech")
+            if minted is not None:
+                connection.input.on_text(minted)  # the configuration minted with the client secret
             await connection.run()
     except SessionLimitReached as exc:
         code = "shutting_down" if gateway.registry.draining else "server_busy"

@@ -37,4 +37,6 @@ class Gateway:
             outbox_bytes=s.outbox_bytes,
             idle_timeout_ms=s.idle_timeout_s * 1000.0,
             max_session_ms=s.max_session_s * 1000.0,
+            max_utterance_chars=s.max_utterance_chars,
+            max_pending_chars=s.max_pending_input_chars,
         )

@@ -59,6 +59,10 @@ class SessionLimits(msgspec.Struct, frozen=True):
     idle_timeout_ms: float = 30_000.0
     max_session_ms: float = 3_600_000.0
     max_queued_utterances: int = 8
+    # text of one utterance (its input.text events up to input.done), and text accepted but not yet spoken across
+    # the session's utterances; None: unbounded (a transport that bounds text itself)
+    max_utterance_chars: int | None = None
+    max_pending_chars: int | None = None
 
 
 # ---- actions -----------------------------------------------------------------------------------------------------
@@ -133,6 +137,7 @@ class _Utterance:
     flushed: bool = False
     opened: bool = False
     input_ended: bool = False
+    chars: int = 0
     segments: int = 0
     open_segment: int | None = None
     segment_bytes: int = 0
@@ -302,15 +307,42 @@ class SpeechSession:
                     )
                 )
             ]
+        refusal = self._refuse_text(len(text))
+        if refusal is not None:
+            return [Emit(refusal)]
         try:
             units = self._segmenter.push(text, now_ms)
         except SegmenterOverflow as exc:
             return [Emit(ErrorEvent("input_too_large", str(exc)))]
         self._ensure_collecting()
+        assert self._collecting is not None
+        self._collecting.chars += len(text)
         actions: list[Action] = []
         for unit in units:
             actions.extend(self._route_unit(unit))
         return actions
+
+    def _refuse_text(self, chars: int) -> ErrorEvent | None:
+        """The error for text that would take an utterance or the session over its bound (the text is dropped
+        whole, nothing else changes: the client may flush what it sent, or cancel), else None."""
+        limits = self.limits
+        utterance = self._collecting.chars if self._collecting is not None else 0
+        if limits.max_utterance_chars is not None and utterance + chars > limits.max_utterance_chars:
+            return ErrorEvent(
+                "utterance_too_long",
+                f"this input.text would make the utterance {utterance + chars} characters long; the limit is "
+                f"{limits.max_utterance_chars}: send input.done to speak what was sent, then go on in a new utterance",
+                param="text",
+            )
+        pending = sum(u.chars for u in self._queue)
+        if limits.max_pending_chars is not None and pending + chars > limits.max_pending_chars:
+            return ErrorEvent(
+                "too_much_pending_text",
+                f"{pending} characters are waiting to be spoken and this input.text adds {chars}; the limit is "
+                f"{limits.max_pending_chars}: wait for session.done",
+                param="text",
+            )
+        return None
 
     def _flush(self) -> list[Action]:
         if self._segmenter is None:

@@ -223,3 +223,44 @@ def test_no_key_on_a_public_address_refuses_to_start() -> None:
     )
     assert result.returncode == 2
     assert "without authentication" in result.stderr and "--allow-unauthenticated-public" in result.stderr
+
+
+async def test_the_session_minted_with_a_secret_configures_the_realtime_session(keyed_server: RunningServer) -> None:
+    session = {"type": "realtime", "audio": {"output": {"voice": "noise", "speed": 1.25}}}
+    secret = await mint(keyed_server, session=session)
+    async with connect(keyed_server.ws_url + "/v1/realtime", additional_headers=bearer(secret)) as ws:
+        created = json.loads(await ws.recv())
+        assert created["type"] == "session.created"
+        updated = json.loads(await ws.recv())
+        assert updated["type"] == "session.updated", updated
+        assert updated["session"]["audio"]["output"]["voice"] == "noise"
+        assert updated["session"]["audio"]["output"]["speed"] == 1.25
+
+
+async def test_the_session_minted_with_a_secret_configures_the_speech_stream(keyed_server: RunningServer) -> None:
+    secret = await mint(keyed_server, session={"type": "speech", "response_format": "pcm", "stream_audio": True})
+    async with connect(keyed_server.ws_url + STREAM, additional_headers=bearer(secret)) as ws:
+        # No session.config from the browser: the minted one applies.
+        await send(ws, "input.text", text="Configured by the app server.")
+        await send(ws, "input.done")
+        utt = await collect_utterance(ws)
+    assert utt.end is not None and utt.end["status"] == "completed"
+    assert utt.starts[0]["format"] == "pcm" and len(utt.pcm) > 0
+
+
+async def test_minted_sessions_are_checked_bounded_and_capped_per_key() -> None:
+    with serve(keyed_settings(max_client_secrets_per_key=2, client_secret_max_session_bytes=1024)) as server:
+        async with httpx.AsyncClient(base_url=server.http_url, headers=bearer(KEY)) as client:
+            path = "/v1/realtime/client_secrets"
+            big = await client.post(path, json={"session": {"type": "realtime", "instructions": "x" * 2000}})
+            assert big.status_code == 400 and big.json()["error"]["param"] == "session"
+            wrong = await client.post(path, json={"session": {"type": "speech", "colour": "blue"}})
+            assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "invalid_value"
+            kind = await client.post(path, json={"session": {"type": "video"}})
+            assert kind.status_code == 400 and kind.json()["error"]["param"] == "session.type"
+            for _ in range(2):
+                assert (await client.post(path, json={})).status_code == 200
+            full = await client.post(path, json={})
+            assert full.status_code == 429 and full.json()["error"]["code"] == "too_many_client_secrets"
+            other = await client.post(path, json={}, headers=bearer(OTHER_KEY))
+            assert other.status_code == 200  # the other tenant still mints

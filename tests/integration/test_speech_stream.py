@@ -8,9 +8,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from omnigate.gateway.settings import Settings
 from tests.audio_checks import decode, speech_fraction, synthetic_ms
 from tests.integration.ws_client import collect_utterance, next_json, send
-from tests.serving import RunningServer
+from tests.serving import RunningServer, serve
 
 STREAM = "/v1/audio/speech/stream"
 
@@ -176,3 +177,23 @@ async def test_session_close_finishes_flushed_speech_then_closes(synthetic_serve
         with pytest.raises(ConnectionClosed) as closed:
             await ws.recv()
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
+
+
+async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_session_survives() -> None:
+    with serve(Settings(engine="synthetic", model="ms_per_char=5", max_utterance_chars=100)) as server:
+        async with connect(server.ws_url + STREAM) as ws:
+            await send(ws, "session.config", response_format="pcm")
+            words = "many words and no full stop " * 2  # 56 characters: held by the segmenter, nothing spoken yet
+            await send(ws, "input.text", text=words)
+            await send(ws, "input.text", text=words)
+            error = await next_json(ws)
+            assert error["type"] == "error" and error["code"] == "utterance_too_long" and error["param"] == "text"
+            # What was accepted is spoken; the refused text is not in it, and the next utterance starts fresh.
+            await send(ws, "input.done")
+            utt = await collect_utterance(ws)
+            assert utt.end is not None and utt.end["status"] == "completed"
+            assert [s["sentence_text"] for s in utt.starts] == [words.strip()]
+            await send(ws, "input.text", text=words + "end.")
+            await send(ws, "input.done")
+            utt = await collect_utterance(ws)
+            assert utt.end is not None and utt.end["status"] == "completed" and len(utt.pcm) > 0

@@ -90,11 +90,12 @@ async def call(
     listener: Listener,
     microphone: MediaStreamTrack | None = None,
     channel_label: str = SPEECH_CHANNEL,
+    headers: dict[str, str] | None = None,
 ) -> AsyncIterator[SpeechPeer]:
     use_loopback_candidates()
     peer = SpeechPeer(listener.on_event, listener.on_audio, microphone, channel_label)
     try:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx.AsyncClient(trust_env=False, headers=headers) as client:
             await asyncio.wait_for(peer.connect(client, server.http_url + CALLS), 10)
         yield peer
     finally:

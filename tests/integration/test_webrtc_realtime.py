@@ -6,12 +6,14 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 from aiortc.mediastreams import AudioStreamTrack
 
+from omnigate.gateway.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
-from omnigate.gateway.webrtc.call import REALTIME_CHANNEL
+from omnigate.gateway.webrtc.call import REALTIME_CHANNEL, SPEECH_CHANNEL
 from tests.audio_checks import synthetic_ms
 from tests.integration.test_webrtc import LOOPBACK, Listener, call, live_calls, on_server
 from tests.serving import RunningServer, serve
@@ -135,3 +137,45 @@ async def test_a_speech_channel_beside_realtime_is_refused_typed(rtc_realtime_se
     assert error["type"] == "error" and error["code"] == "channel_in_use"
     assert not listener.of("error")
     await assert_freed(rtc_realtime_server)
+
+
+KEY = "webrtc-test-key"
+
+
+async def mint_secret(server: RunningServer, session: dict[str, object]) -> dict[str, str]:
+    """The Authorization header of a client secret minted with ``session``."""
+    async with httpx.AsyncClient(base_url=server.http_url, headers={"authorization": f"Bearer {KEY}"}) as client:
+        minted = await client.post("/v1/realtime/client_secrets", json={"session": session})
+    assert minted.status_code == 200, minted.text
+    return {"authorization": f"Bearer {minted.json()['value']}"}
+
+
+def keyed_rtc_settings() -> Settings:
+    return Settings(engine="synthetic", webrtc_host_addresses=LOOPBACK, api_key_hashes=(api_key_hash(KEY),))
+
+
+async def test_the_session_minted_with_the_calls_client_secret_configures_it() -> None:
+    with serve(keyed_rtc_settings()) as server:
+        secret = await mint_secret(server, {"type": "realtime", "audio": {"output": {"voice": "noise", "speed": 1.5}}})
+        listener = Listener()
+        async with call(server, listener, None, REALTIME_CHANNEL, headers=secret):
+            await listener.until(lambda: bool(listener.of("session.updated") or listener.of("error")))
+        assert not listener.of("error"), listener.of("error")
+        [updated] = listener.of("session.updated")
+        assert updated["session"]["audio"]["output"] == {**updated["session"]["audio"]["output"], "voice": "noise",
+                                                         "speed": 1.5}  # fmt: skip
+        await assert_freed(server)
+
+
+async def test_a_minted_speech_session_configures_the_calls_speech_channel() -> None:
+    with serve(keyed_rtc_settings()) as server:
+        secret = await mint_secret(server, {"type": "speech", "voice": "noise"})
+        listener = Listener()
+        async with call(server, listener, None, SPEECH_CHANNEL, headers=secret) as peer:
+            # No session.config from the page: the minted one applies.
+            peer.send_json({"type": "input.text", "text": "Configured by the app server."})
+            peer.send_json({"type": "input.done"})
+            await listener.until(lambda: bool(listener.of("session.done") or listener.of("error")))
+        assert not listener.of("error"), listener.of("error")
+        assert listener.of("session.done")[0]["status"] == "completed"
+        await assert_freed(server)

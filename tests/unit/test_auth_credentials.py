@@ -144,3 +144,25 @@ def test_no_key_on_a_public_address_is_refused_unless_allowed() -> None:
     assert exposure_problem(Settings(host="0.0.0.0")) is not None
     assert exposure_problem(Settings(host="0.0.0.0", allow_unauthenticated_public=True)) is None
     assert exposure_problem(Settings(host="0.0.0.0", api_key_hashes=(api_key_hash("k"),))) is None
+
+
+def test_one_key_cannot_take_every_secret_and_expired_ones_are_swept_on_use() -> None:
+    other = key_principal(api_key_hash("other"))
+    store = ClientSecretStore(max_secrets=10, max_per_key=2)
+    first = store.mint(OWNER, ttl_s=10.0, now=0.0)
+    store.mint(OWNER, ttl_s=20.0, now=0.0)
+    with pytest.raises(StoreFull, match="this API key"):
+        store.mint(OWNER, ttl_s=10.0, now=1.0)
+    store.mint(other, ttl_s=10.0, now=1.0)  # another tenant is not locked out
+    # A check after the first one expired sweeps it, with no mint needed, and frees its key's slot.
+    with pytest.raises(SecretRefused):
+        store.check(first.value, now=10.0)
+    assert len(store) == 2 and store.outstanding(OWNER.id) == 1
+    store.mint(OWNER, ttl_s=10.0, now=10.0)
+
+
+def test_a_used_secret_no_longer_holds_its_session() -> None:
+    store = ClientSecretStore(max_secrets=10)
+    minted = store.mint(OWNER, ttl_s=60.0, now=0.0, session={"type": "realtime", "instructions": "x" * 10_000})
+    assert store.consume(minted.value, now=1.0).session is not None
+    assert all(record.session is None for record in store._records.values())

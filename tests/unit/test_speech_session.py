@@ -247,3 +247,29 @@ def test_queued_utterances_are_bounded(n: int) -> None:
         s.handle(Flush(), 0.0)
     [err] = events(s.handle(AppendText("one too many"), 0.0))
     assert isinstance(err, ErrorEvent) and err.code == "too_many_utterances"
+
+
+def test_text_over_the_utterance_bound_is_refused_whole_and_the_utterance_goes_on() -> None:
+    s = configured(SessionLimits(max_utterance_chars=20))
+    s.handle(AppendText("Hello there, "), 0.0)
+    [err] = events(s.handle(AppendText("general Kenobi."), 1.0))
+    assert isinstance(err, ErrorEvent) and err.code == "utterance_too_long" and err.param == "text"
+    assert not err.fatal and not s.closed
+    # Nothing of the refused text reached the utterance; what was sent is still spoken, and the next one is fresh.
+    actions = s.handle(Flush(), 2.0)
+    assert [a.text for a in actions if isinstance(a, PushText)] == ["Hello there, "]
+    s.on_engine(0, [*engine_segment(0, "Hello there, "), StreamDone()], 3.0)
+    assert not events(s.handle(AppendText("general Kenobi."), 4.0))
+
+
+def test_pending_text_is_bounded_across_utterances_until_they_are_spoken() -> None:
+    s = configured(SessionLimits(max_utterance_chars=10, max_pending_chars=25))
+    for text in ("Ten chars.", "Ten chars."):
+        assert not events(s.handle(AppendText(text), 0.0))
+        s.handle(Flush(), 0.0)
+    [err] = events(s.handle(AppendText("Ten chars."), 1.0))
+    assert isinstance(err, ErrorEvent) and err.code == "too_much_pending_text" and not err.fatal
+    assert s.pending_utterances == 2
+    # Once the first utterance is spoken its text no longer counts.
+    s.on_engine(0, [*engine_segment(0, "Ten chars."), StreamDone()], 2.0)
+    assert not events(s.handle(AppendText("Ten chars."), 3.0))

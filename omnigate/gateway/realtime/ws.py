@@ -12,6 +12,7 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from omnigate.gateway.client_session import minted_session, stored_session_event
 from omnigate.gateway.realtime.backend import SessionRefused
 from omnigate.gateway.realtime.connection import RealtimeConnection
 from omnigate.gateway.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
@@ -71,6 +72,9 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
                 await _refuse(ws, exc.code, exc.message, 1013, exc.retry_after_s, accepted=True)
                 return
             lease.drain_target = connection
+            minted = stored_session_event(minted_session(ws.scope), "realtime")
+            if minted is not None:
+                connection.receive_text(minted)  # the configuration minted with the client secret
             await WsRealtimeTransport(ws, connection, settings.stall_timeout_s).run()
     except SessionLimitReached as exc:
         code = "shutting_down" if gateway.registry.draining else "server_busy"

@@ -25,6 +25,7 @@ from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from omnigate.codecs.rtc_audio import RTC_FRAME_MS, RTC_SAMPLE_RATE, RtcOpusStream
+from omnigate.gateway.client_session import stored_session_event
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.realtime.backend import SessionRefused
 from omnigate.gateway.realtime.connection import RealtimeConnection
@@ -80,9 +81,11 @@ class WebRtcCall:
         telemetry: WebRtcTelemetry,
         realtime: RealtimeService | None = None,
         model: str | None = None,
+        minted: dict[str, Any] | None = None,
     ) -> None:
         assert gateway.pool is not None
         self.call_id = call_id
+        self.minted = minted  # the session minted with the call's client secret, applied to the channel's session
         self.settings = gateway.settings
         self.realtime_service = realtime
         self.model = model
@@ -261,6 +264,9 @@ class WebRtcCall:
             connection.release()
             _refuse_channel(channel, _realtime_refusal(exc.code, exc.message))
             return
+        minted = stored_session_event(self.minted, "realtime")
+        if minted is not None:
+            connection.receive_text(minted)
         self.realtime = RealtimeChannel(
             channel,
             connection,
@@ -275,6 +281,9 @@ class WebRtcCall:
 
     def _bind_speech_channel(self, channel: RTCDataChannel) -> None:
         self._channel = ChannelWriter(channel, self.settings.stall_timeout_s)
+        minted = stored_session_event(self.minted, "speech")
+        if minted is not None:
+            self.input.on_text(minted)
 
         @channel.on("message")
         def on_message(message: str | bytes) -> None:

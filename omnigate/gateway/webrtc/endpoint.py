@@ -18,6 +18,7 @@ from aiortc.sdp import SessionDescription
 from starlette.requests import Request
 from starlette.responses import Response
 
+from omnigate.gateway.client_session import minted_session
 from omnigate.gateway.errors import HttpError
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
@@ -97,7 +98,15 @@ async def realtime_calls_endpoint(request: Request) -> Response:
 
     call_id = "rtc_" + secrets.token_hex(12)
     realtime = getattr(request.app.state, "realtime", None)
-    call = WebRtcCall(call_id, gateway, lease, calls.telemetry, realtime, request.query_params.get("model"))
+    call = WebRtcCall(
+        call_id,
+        gateway,
+        lease,
+        calls.telemetry,
+        realtime,
+        request.query_params.get("model"),
+        minted=minted_session(request.scope),
+    )
     return await _answer(call, offer, calls, CALLS_PATH)
 
 
