@@ -239,7 +239,7 @@ def test_load_refuses_bad_voice_paths(tmp_path: Path, layout: str, error: type[E
 
 @pytest.mark.parametrize(
     "options",
-    [{"workers": 0}, {"max_sessions": 0}, {"chunk_ms": 5}, {"workers": "two"}, {"worker": 2}],
+    [{"workers": -1}, {"max_sessions": 0}, {"chunk_ms": 5}, {"workers": "two"}, {"worker": 2}],
 )
 def test_load_refuses_bad_options(options: dict[str, int | str]) -> None:
     with pytest.raises(PiperOptionError, match=next(iter(options))):
