@@ -19,8 +19,9 @@ Two more rules keep admitted streams on time:
   already admitted come first.
 
 A stream that completes keeps its share for ``grace_s``: a session usually speaks again soon, and its next
-utterance should not be refused because a newcomer took its place. A new stream consumes such a reservation when
-one is held, so within the grace the pool never carries more than it admitted.
+utterance is admitted within the grace even while admission is closed. The pool does not know sessions, so the
+next stream to open takes such a share, whoever's it is; within the grace the pool never carries more than it
+admitted. :meth:`headroom` does not count held shares as taken, so they never keep a new session out for long.
 
 Policy ``slots`` admits by the slot count alone (the behaviour without headroom): every rule above is off.
 """
@@ -149,9 +150,9 @@ class AdmissionController:
         return slope * streams + fixed * streams / (batch * audio_per_stream_step)
 
     def headroom(self, now: float) -> int:
-        """How many more new streams would be admitted now (reservations held for sessions count as taken)."""
+        """How many more streams the workers would carry now, beyond the active ones."""
         self._expire(now)
-        carried = self.active + len(self._reservations)
+        carried = self.active
         if self.settings.policy == "slots":
             return max(0, self.max_streams - self.active)
         if now < self._closed_until:

@@ -133,20 +133,25 @@ def test_an_idle_pool_takes_one_stream_whatever_it_costs() -> None:
 
 
 def test_a_completed_stream_keeps_its_share_for_the_grace_time() -> None:
-    admission = AdmissionController(1, max_streams=64, settings=AdmissionSettings(target_load=1.0, grace_s=3.0))
+    settings = AdmissionSettings(target_load=1.0, grace_s=3.0, late_hold_s=5.0)
+    admission = AdmissionController(1, max_streams=64, settings=settings)
     admission.seed(0.5)  # two streams fit
     for _ in range(2):
         assert admission.admits(0.0)
         admission.opened(0.0)
     admission.closed(1.0, keep_share=True)  # its session will speak again
-    assert admission.headroom(1.0) == 0  # a new session is turned away ...
-    assert admission.admits(2.0)  # ... but the next utterance within the grace is admitted
+    admission.observe_late(1.0, 1.0)  # and admission closes
+    assert admission.headroom(1.5) == 0
+    assert admission.admits(2.0)  # the next utterance within the grace is admitted all the same
     admission.opened(2.0)
-    assert admission.active == 2 and admission.headroom(2.0) == 0
-    admission.closed(3.0, keep_share=True)
-    admission.closed(3.0, keep_share=False)  # aborted: its share is free at once
-    assert admission.headroom(3.0) == 1
-    assert admission.headroom(6.0) == 2  # the grace ran out
+    assert admission.active == 2
+    admission.closed(3.0, keep_share=False)  # aborted: no share is held
+    assert not admission.admits(3.5)
+    admission.closed(4.0, keep_share=True)
+    assert admission.headroom(5.0) == 0 and admission.admits(5.0)  # closed, but within that stream's grace
+    admission.opened(5.0)
+    admission.closed(5.5, keep_share=False)
+    assert admission.headroom(7.5) == 2  # the hold is over
 
 
 def test_a_batched_engine_shares_its_fixed_step_cost() -> None:
