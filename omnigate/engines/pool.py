@@ -351,9 +351,10 @@ class EnginePool:
                     # Late for want of a worker: the streams admitted are more than the workers carry.
                     self.admission.observe_late(now, now - max(ps.deadline(), ps.waiting_since))
                 budgets = [ps.credit_ms for ps in batch]
+                due = [max(ps.deadline(), ps.waiting_since) for ps in batch]
                 self._in_flight[index] = (batch, now)
                 self._watch.notify()  # the watchdog learns the new step deadline
-            self._run_step(batch, budgets)
+            self._run_step(batch, budgets, due)
             with self._cond:
                 self._in_flight.pop(index, None)
                 self._overdue.discard(index)
@@ -412,7 +413,9 @@ class EnginePool:
                     self._fail_locked(ps, "engine_unavailable: the engine is not responding")
                     self._close_locked(ps)
 
-    def _run_step(self, batch: Sequence[PoolStream], budgets: Sequence[float]) -> None:
+    def _run_step(self, batch: Sequence[PoolStream], budgets: Sequence[float], due: Sequence[float]) -> None:
+        """Step ``batch``; ``due[i]`` is when stream ``i`` needed its next output (its deadline, or when it became
+        runnable if later): output that comes after it came too late for the listener."""
         t0 = time.monotonic()
         try:
             outputs = self.engine.step([ps.stream for ps in batch], budgets)
@@ -439,7 +442,9 @@ class EnginePool:
             else:
                 self.consecutive_failures = 0
             step_audio_ms = 0.0
-            for ps, out in zip(batch, outputs, strict=True):
+            for ps, out, needed_at in zip(batch, outputs, due, strict=True):
+                if not failed and any(isinstance(item, AudioChunk) for item in out):
+                    self.admission.observe_late(now, now - needed_at)
                 ps.busy = False
                 ps.waiting_since = now
                 if ps.aborted or ps.faulted:

@@ -83,7 +83,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
                 step_timeout_s=settings.engine_step_timeout_s,
                 failure_threshold=settings.engine_failure_threshold,
                 step_observer=metrics.observe_step,
-                admission=AdmissionSettings(policy=settings.admission),
+                admission=AdmissionSettings(policy=settings.admission, target_load=settings.admission_target_load),
             )
             local.start()
             pool, slots = local, loaded.info.max_sessions

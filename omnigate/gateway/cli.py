@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         "admit up to the engine's slots whatever its speed",
     )
     lim.add_argument(
+        "--admission-target-load",
+        type=float,
+        default=_DEFAULTS.admission_target_load,
+        help="with headroom admission: the fraction of the engine workers' time that admitted streams may need (the "
+        "rest absorbs bursts and, on CPU, the server's own work)",
+    )
+    lim.add_argument(
         "--idle-timeout",
         type=float,
         default=_DEFAULTS.idle_timeout_s,
@@ -290,6 +297,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         realtime_input_max_bytes=args.realtime_input_max_bytes,
         max_sessions=args.max_sessions,
         admission=args.admission,
+        admission_target_load=args.admission_target_load,
         idle_timeout_s=args.idle_timeout,
         config_timeout_s=args.config_timeout,
         max_session_s=args.max_session_duration,

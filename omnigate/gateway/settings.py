@@ -51,6 +51,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # admission: "headroom" admits a stream only while the engine keeps every admitted stream on time; "slots" admits
     # up to the engine's slot count
     admission: AdmissionPolicy = "headroom"
+    admission_target_load: float = 0.8  # fraction of the engine workers' time admitted streams may need
     retry_after_s: float = 1.0
     # segmenter forced flush
     segment_max_chars: int = 120

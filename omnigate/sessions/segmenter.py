@@ -30,7 +30,8 @@ Rules, in order of precedence:
 * **A unit must be worth synthesizing**: a boundary is skipped, and its text carried into the next unit, while the
   unit has no letter or digit or fewer than ``min_chars`` non-space characters ("Hi." with ``min_chars=5``).
 * **A short first unit.** The first unit of an utterance (the first after construction, :meth:`flush` or
-  :meth:`clear`) also ends after a clause mark (``, ; :``) followed by whitespace, or after ``first_unit_max_words``
+  :meth:`clear`) also ends after a clause mark (``, ; :``) followed by whitespace once it holds
+  ``first_unit_min_words`` words, or after ``first_unit_max_words``
   words followed by whitespace, when that comes before the sentence's end: the engine's first call is short, so
   first audio comes soon. The cut takes one whitespace character, like a definite sentence end, and is decided as
   soon as that character arrives. Later units are whole sentences again (better prosody). A word-budget cut can fall
@@ -105,6 +106,9 @@ class SegmenterConfig(msgspec.Struct, frozen=True):
     """The first unit of an utterance also ends at a clause mark followed by whitespace."""
     first_unit_max_words: int = 5
     """The first unit of an utterance ends after this many words at most (0: no word budget)."""
+    first_unit_min_words: int = 3
+    """A clause mark ends the first unit only after this many words: shorter audio would play out before the next
+    unit's text has arrived and been synthesized."""
 
     def __post_init__(self) -> None:
         if self.granularity not in ("sentence", "clause"):
@@ -115,8 +119,8 @@ class SegmenterConfig(msgspec.Struct, frozen=True):
             raise ValueError("max_buffer_chars must exceed max_chars")
         if not self.max_wait_ms > 0:
             raise ValueError("max_wait_ms must be positive")
-        if self.first_unit_max_words < 0:
-            raise ValueError("first_unit_max_words must be >= 0")
+        if self.first_unit_max_words < 0 or self.first_unit_min_words < 1:
+            raise ValueError("first_unit_max_words must be >= 0 and first_unit_min_words >= 1")
 
 
 class SegmenterOverflow(Exception):
@@ -314,7 +318,12 @@ class TextSegmenter:
             if match.end() >= len(text):
                 return None  # the word may go on: undecided
             word = match.group().rstrip("".join(_CLOSERS))
-            clause = config.first_unit_clause and word[-1:] in _LATIN_CLAUSE_MARKS and len(word) > 1
+            clause = (
+                config.first_unit_clause
+                and words >= config.first_unit_min_words
+                and word[-1:] in _LATIN_CLAUSE_MARKS
+                and len(word) > 1
+            )
             if clause or words == config.first_unit_max_words:
                 cut = match.end() + 1
                 if cut < end and self._acceptable(text, cut):

@@ -38,6 +38,7 @@ def configs(draw: st.DrawFn) -> SegmenterConfig:
         min_chars=draw(st.integers(1, min(max_chars, 8))),
         first_unit_clause=draw(st.booleans()),
         first_unit_max_words=draw(st.integers(0, 6)),
+        first_unit_min_words=draw(st.integers(1, 4)),
     )
 
 
@@ -190,15 +191,16 @@ def test_boundaries(text: str, config: SegmenterConfig, expected: list[str]) -> 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("Sure, I can help with that. It shipped.", ["Sure, ", "I can help with that. ", "It shipped."]),
+        ("Sure, I can help with that. It shipped.", ["Sure, I can help with ", "that. ", "It shipped."]),
+        ("Yes, of course, I can help. Fine.", ["Yes, of course, ", "I can help. ", "Fine."]),
         (
             "The weather in Lisbon tomorrow looks mild today. Rain later.",
             ["The weather in Lisbon tomorrow ", "looks mild today. ", "Rain later."],
         ),
         ("Hello world! How are you doing today, my friend?", ["Hello world! ", "How are you doing today, my friend?"]),
         ("It cost 1,000 dollars in all. Fine.", ["It cost 1,000 dollars in ", "all. ", "Fine."]),
-        ('"Well," she said, "we could go."', ['"Well," ', 'she said, "we could go."']),
-        ("Okay, thanks.", ["Okay, ", "thanks."]),
+        ('"Well," she said, "we could go."', ['"Well," she said, ', '"we could go."']),
+        ("Okay, thanks.", ["Okay, thanks."]),
         ("Yes", ["Yes"]),
     ],
 )
@@ -211,7 +213,7 @@ def test_the_first_unit_of_an_utterance_ends_at_a_clause_or_a_word_budget(text: 
 
 
 def test_every_utterance_starts_with_a_short_first_unit() -> None:
-    segmenter = TextSegmenter(SegmenterConfig(first_unit_max_words=3))
+    segmenter = TextSegmenter(SegmenterConfig(first_unit_max_words=3, first_unit_min_words=1))
     assert segmenter.push("Well, that was fun. Bye now.", 0.0) == ["Well, ", "that was fun. "]
     assert segmenter.flush() == ["Bye now."]
     assert segmenter.push("One two three four five. Six.", 0.0) == ["One two three ", "four five. "]
@@ -220,7 +222,7 @@ def test_every_utterance_starts_with_a_short_first_unit() -> None:
 
 
 def test_the_first_unit_respects_min_chars() -> None:
-    segmenter = TextSegmenter(SegmenterConfig(min_chars=8, first_unit_max_words=0))
+    segmenter = TextSegmenter(SegmenterConfig(min_chars=8, first_unit_max_words=0, first_unit_min_words=1))
     assert segmenter.push("Ok, so we go now, right? ", 0.0) == ["Ok, so we go now, "]
 
 
