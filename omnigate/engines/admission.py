@@ -156,7 +156,7 @@ class AdmissionController:
         if self.settings.policy == "slots":
             return max(0, self.max_streams - self.active)
         if now < self._closed_until:
-            return 0
+            return 1 if carried == 0 else 0  # an idle pool always takes one stream (see _fits)
         extra = 0
         while carried + extra < self.max_streams and self._fits(carried + extra):
             extra += 1

@@ -107,12 +107,16 @@ def test_cost_follows_the_machine_and_a_late_pick_closes_admission() -> None:
     assert admission.headroom(40.0) == 10
     admission.observe_late(40.0, 0.01)  # within the tolerance
     assert admission.headroom(40.0) == 10
+    admission.opened(40.0)
     admission.observe_late(40.0, 0.3)
     assert admission.headroom(41.0) == 0
     assert not admission.admits(41.0)
     assert admission.retry_after_s(41.0, 0.5) == pytest.approx(1.0)
-    assert admission.headroom(42.0) == 10
-    assert admission.late_total == 1 and admission.refused_total == 1
+    assert admission.headroom(42.0) == 9
+    admission.closed(42.0, keep_share=False)
+    admission.observe_late(42.0, 1.0)
+    assert admission.headroom(42.5) == 1  # closed, but idle: one stream is always taken
+    assert admission.late_total == 2 and admission.refused_total == 1
 
 
 def test_before_anything_is_measured_the_slots_admit() -> None:
