@@ -152,9 +152,6 @@ def test_a_completed_stream_keeps_its_share_for_the_grace_time() -> None:
     admission.closed(3.0, keep_share=False)  # aborted: no share is held
     assert not admission.admits(3.5)
     admission.closed(4.0, keep_share=True)
-    assert admission.headroom(5.0) == 0 and admission.admits(5.0)  # closed, but within that stream's grace
-    admission.opened(5.0)
-    admission.closed(5.5, keep_share=False)
     assert admission.headroom(7.5) == 2  # the hold is over
 
 
