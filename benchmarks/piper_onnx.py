@@ -1,7 +1,7 @@
 """Piper's onnxruntime call on one core: cost per second of audio by unit length, batch 1 against 2-4 units of
 similar length padded into one call, and the CPU memory arena on and off.
 
-    python -m benchmarks.piper_onnx [--repeats 5] [--out docs/benchmarks/piper_onnx.json]
+    python -m benchmarks.piper_onnx [--repeats 3] [--units 32] [--out docs/benchmarks/piper_onnx.json]
 
 Each configuration builds its own single-threaded session (as the engine's workers run them) and times the same
 sentences of the shipped load-test corpus; the minimum of the repeats is reported, since other work on the machine
@@ -60,13 +60,15 @@ def _run(voice: PiperVoice, batch: list[list[int]]) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--units", type=int, default=32, help="sentences timed, spread over the corpus's lengths")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     corpus = load_corpus(None)
     voice = _voice(_session(arena=False))
     units = [ids for text in corpus for ids in (voice.phonemes_to_ids(p) for p in voice.phonemize(text)) if ids]
     units.sort(key=len)
+    units = units[:: max(1, len(units) // args.units)]  # a spread of lengths, short to long
     rate = voice.config.sample_rate
     report: dict[str, Any] = {"load_average": os.getloadavg(), "units": len(units), "sample_rate": rate}
 
