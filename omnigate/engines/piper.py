@@ -15,6 +15,7 @@ one stream's piece.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import logging
 import math
@@ -56,6 +57,9 @@ MIN_CUT_MS = 20
 RAMP_MS = 2000.0
 # Spoken at load to warm onnxruntime and measure the voice's cost per second of audio (admission starts from it).
 _WARM_UP_TEXT = "Hello, this is a short sentence to warm up the voice."
+# glibc keeps freed synthesis buffers in its heaps; giving them back every this many calls holds RSS ~30 MiB lower
+# at no measurable cost (docs/reliability/results.md, "Piper heap").
+TRIM_EVERY_CALLS = 32
 # Phonemes after which a piece may end, best first: clause and sentence marks, then a word boundary.
 _PIECE_MARKS = frozenset(",;:.!?")
 
@@ -118,6 +122,8 @@ class PiperEngine(Engine):
         self._min_cut_samples = min(MIN_CUT_MS, chunk_ms) * info.sample_rate // 1000
         self._length_scale = voice.config.length_scale
         self._piece_ms = piece_ms
+        self._calls = itertools.count(1)
+        self._libc = _glibc()
         # Audio per phoneme at speed 1, measured by warm_up(); a conservative guess until then.
         self._ms_per_phoneme = 90.0
 
@@ -229,6 +235,8 @@ class PiperEngine(Engine):
         (returned), so a cut sentence does not change loudness where it was cut."""
         config = SynthesisConfig(speaker_id=speaker_id, length_scale=self._length_scale / speed)
         audio = np.asarray(self.voice.phoneme_ids_to_audio(ids, config), dtype=np.float32)
+        if self._libc is not None and next(self._calls) % TRIM_EVERY_CALLS == 0:
+            self._libc.malloc_trim(0)
         if gain is None:
             peak = float(np.max(np.abs(audio))) if audio.size else 0.0
             gain = 1.0 / peak if peak > 1e-8 else 0.0
@@ -407,6 +415,14 @@ def _languages(config: Mapping[str, Any]) -> tuple[str, ...]:
 _M_MMAP_THRESHOLD = -3
 
 
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
 def _bound_large_allocations() -> None:
     """Serve allocations of 1 MiB and more with mmap, so freeing them returns the memory to the system.
 
@@ -414,8 +430,6 @@ def _bound_large_allocations() -> None:
     the first large frees and from then on keeps such buffers in per-thread heaps that it does not give back, so a
     process's memory would step up with every new thread and sentence length it has seen.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
