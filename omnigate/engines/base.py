@@ -60,6 +60,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     synthetic: bool = False
     # The least credit with which a step surely makes progress (a talker: one codec frame).
     min_credit_ms: float = 20.0
+    # Worker seconds per second of audio measured when the engine loaded, or None: headroom admission starts from it
+    # until the pool has observed steps of its own.
+    rtf_hint: float | None = None
 
     def voice_ids(self) -> frozenset[str]:
         return frozenset(v.id for v in self.voices)

@@ -1,4 +1,4 @@
-"""The engine pool: admission by slots, credit-based flow, deadline-ordered batching on scheduler threads.
+"""The engine pool: admission by headroom, credit-based flow, deadline-ordered batching on scheduler threads.
 
 The event loop talks to the pool through thread-safe, non-blocking calls (``open``, ``push_text``, ``end_input``,
 ``grant``, ``abort``); scheduler threads step the engine and hand outputs back with
@@ -11,6 +11,12 @@ runnable, so a stalled client costs no engine time.
 Deadlines: a stream's deadline is when its client would run out of audio: ``opened + ttfa_target`` before the first
 chunk, ``first_chunk + produced`` after it. Each step serves the earliest deadlines first up to the batch size, so
 under contention the engine generates just in time and with spare capacity everyone runs flat out.
+
+Admission: a stream is admitted while the pool has headroom (:mod:`omnigate.engines.admission`): its recent worker
+time per second of audio, times the streams it carries plus one, must fit its workers, and no stream may have
+waited past its deadline lately. Past that, :meth:`EnginePool.open` raises :class:`PoolFull` with a retry hint and
+:attr:`EnginePool.free_slots` is 0, so new sessions go elsewhere and the admitted ones keep their deadlines. The
+``slots`` policy admits up to the slot count alone.
 
 Faults: workers are supervised. A step that raises fails the streams of its batch with a typed ``StreamDone``; a
 worker that dies (anything escaping the step or its bookkeeping) fails its in-flight batch the same way and restarts
@@ -30,6 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from omnigate.engines.admission import AdmissionController, AdmissionSettings
 from omnigate.engines.base import (
     AudioChunk,
     Engine,
@@ -80,6 +87,9 @@ class PoolStream:
     min_credit_ms: float = 20.0
     first_chunk_at: float | None = None
     produced_ms: float = 0.0
+    # the last change that could have made the stream runnable (text, end of input, credit, a finished step):
+    # lateness after it is the engine's, before it the client's or the text source's
+    waiting_since: float = 0.0
     busy: bool = False
     aborted: bool = False
     finished: bool = False
@@ -116,6 +126,7 @@ class EnginePool:
         step_timeout_s: float = 60.0,
         failure_threshold: int = 3,
         step_observer: StepObserver | None = None,
+        admission: AdmissionSettings | None = None,
     ) -> None:
         self.engine = engine
         self.info = engine.info
@@ -145,6 +156,9 @@ class EnginePool:
         self.failed_steps_total = 0
         self.worker_restarts_total = 0
         self.step_timeouts_total = 0
+        self.admission = AdmissionController(self.info.workers, self.info.max_sessions, self.info.max_batch, admission)
+        if self.info.rtf_hint is not None:
+            self.admission.seed(self.info.rtf_hint)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -196,7 +210,9 @@ class EnginePool:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.info.max_sessions - self.active)
+        """Streams the pool would admit now: free slots, or with headroom admission the streams that still fit."""
+        with self._cond:
+            return min(max(0, self.info.max_sessions - len(self._streams)), self.admission.headroom(time.monotonic()))
 
     @property
     def queue_depth(self) -> int:
@@ -215,20 +231,23 @@ class EnginePool:
             if len(self._overdue) >= self.info.workers:
                 self.engine.close(stream)
                 raise EngineError("engine_unavailable", "the engine is not responding; retry shortly")
-            if len(self._streams) >= self.info.max_sessions:
+            now = time.monotonic()
+            if len(self._streams) >= self.info.max_sessions or not self.admission.admits(now):
                 self.engine.close(stream)
-                raise PoolFull(self._retry_after_s)
+                raise PoolFull(self.admission.retry_after_s(now, self._retry_after_s))
             ps = PoolStream(
                 id=next(self._ids),
                 stream=stream,
                 sink=sink,
                 loop=loop,
-                opened_at=time.monotonic(),
+                opened_at=now,
                 ttfa_target_s=self._ttfa_target_s,
                 credit_ms=initial_credit_ms,
                 min_credit_ms=self.info.min_credit_ms,
+                waiting_since=now,
             )
             self._streams[ps.id] = ps
+            self.admission.opened(now)
             self._cond.notify()
             return ps
 
@@ -237,6 +256,7 @@ class EnginePool:
             if ps.closed or ps.stream.input_done:
                 return
             ps.stream.pending_text.append(text)
+            ps.waiting_since = time.monotonic()
             self._cond.notify()
 
     def end_input(self, ps: PoolStream) -> None:
@@ -244,6 +264,7 @@ class EnginePool:
             if ps.closed:
                 return
             ps.stream.input_done = True
+            ps.waiting_since = time.monotonic()
             self._cond.notify()
 
     def grant(self, ps: PoolStream, ms: float) -> None:
@@ -252,6 +273,7 @@ class EnginePool:
             if ps.closed:
                 return
             ps.credit_ms += ms
+            ps.waiting_since = time.monotonic()
             self._cond.notify()
 
     def abort(self, ps: PoolStream) -> None:
@@ -270,7 +292,11 @@ class EnginePool:
         if ps.closed:
             return
         ps.closed = True
-        self._streams.pop(ps.id, None)
+        if self._streams.pop(ps.id, None) is not None:
+            # An aborted stream frees its share at once (its client left or cancelled); a completed one keeps it
+            # for its session's next utterance.
+            completed = ps.finished and not ps.faulted and not ps.aborted
+            self.admission.closed(time.monotonic(), keep_share=completed)
         try:
             self.engine.close(ps.stream)
         except Exception:
@@ -321,12 +347,16 @@ class EnginePool:
                     batch = self._pick_locked()
                 if self._closing:
                     return
+                now = time.monotonic()
                 for ps in batch:
                     ps.busy = True
+                    # Late for want of a worker: the streams admitted are more than the workers carry.
+                    self.admission.observe_late(now, now - max(ps.deadline(), ps.waiting_since))
                 budgets = [ps.credit_ms for ps in batch]
-                self._in_flight[index] = (batch, time.monotonic())
+                due = [max(ps.deadline(), ps.waiting_since) for ps in batch]
+                self._in_flight[index] = (batch, now)
                 self._watch.notify()  # the watchdog learns the new step deadline
-            self._run_step(batch, budgets)
+            self._run_step(batch, budgets, due)
             with self._cond:
                 self._in_flight.pop(index, None)
                 self._overdue.discard(index)
@@ -386,7 +416,9 @@ class EnginePool:
                     self._fail_locked(ps, "engine_unavailable: the engine is not responding")
                     self._close_locked(ps)
 
-    def _run_step(self, batch: Sequence[PoolStream], budgets: Sequence[float]) -> None:
+    def _run_step(self, batch: Sequence[PoolStream], budgets: Sequence[float], due: Sequence[float]) -> None:
+        """Step ``batch``; ``due[i]`` is when stream ``i`` needed its next output (its deadline, or when it became
+        runnable if later): output that comes after it came too late for the listener."""
         t0 = time.monotonic()
         try:
             outputs = self.engine.step([ps.stream for ps in batch], budgets)
@@ -412,8 +444,12 @@ class EnginePool:
                 self.failed_steps_total += 1
             else:
                 self.consecutive_failures = 0
-            for ps, out in zip(batch, outputs, strict=True):
+            step_audio_ms = 0.0
+            for ps, out, needed_at in zip(batch, outputs, due, strict=True):
+                if not failed and any(isinstance(item, AudioChunk) for item in out):
+                    self.admission.observe_late(now, now - needed_at)
                 ps.busy = False
+                ps.waiting_since = now
                 if ps.aborted or ps.faulted:
                     self._close_locked(ps)
                     continue
@@ -424,6 +460,7 @@ class EnginePool:
                         ps.produced_ms += ms
                         ps.stream.audio_ms += ms
                         self.generated_ms_total += ms
+                        step_audio_ms += ms
                         if ps.first_chunk_at is None:
                             ps.first_chunk_at = now
                     elif isinstance(item, StreamDone):
@@ -436,6 +473,8 @@ class EnginePool:
                     # A closed loop has nobody left to receive the outputs.
                     with contextlib.suppress(RuntimeError):
                         ps.loop.call_soon_threadsafe(self._deliver, ps, out)
+            if not failed:
+                self.admission.observe_step(now, now - t0, step_audio_ms, len(batch))
             self._cond.notify_all()
 
     def _deliver(self, ps: PoolStream, outputs: list[EngineOutput]) -> None:

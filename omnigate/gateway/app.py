@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
 
+from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import Engine
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.pool_api import EnginePoolAPI
@@ -106,6 +107,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
                 step_timeout_s=settings.engine_step_timeout_s,
                 failure_threshold=settings.engine_failure_threshold,
                 step_observer=metrics.observe_step,
+                admission=AdmissionSettings(policy=settings.admission, target_load=settings.admission_target_load),
             )
             local.start()
             pool, slots = local, loaded.info.max_sessions

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from omnigate import __version__
+from omnigate.engines.admission import ADMISSION_POLICIES
 from omnigate.engines.registry import DEFAULT_ENGINE, LOADERS
 from omnigate.gateway.cli_reliability import (
     add_reliability_options,
@@ -176,6 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
         "engine's slots)",
     )
     lim.add_argument(
+        "--admission",
+        default=_DEFAULTS.admission,
+        choices=list(ADMISSION_POLICIES),
+        help="headroom: admit a new session or utterance only while the engine, at its recently measured speed, keeps "
+        "every admitted stream ahead of its listener (past that: engine_busy with a retry hint, /ready 503); slots: "
+        "admit up to the engine's slots whatever its speed",
+    )
+    lim.add_argument(
+        "--admission-target-load",
+        type=float,
+        default=_DEFAULTS.admission_target_load,
+        help="with headroom admission: the fraction of the engine workers' time that admitted streams may need (the "
+        "rest absorbs bursts and, on CPU, the server's own work)",
+    )
+    lim.add_argument(
         "--idle-timeout",
         type=float,
         default=_DEFAULTS.idle_timeout_s,
@@ -299,6 +315,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         duplex_options=dict(args.duplex_option),
         realtime_input_max_bytes=args.realtime_input_max_bytes,
         max_sessions=args.max_sessions,
+        admission=args.admission,
+        admission_target_load=args.admission_target_load,
         idle_timeout_s=args.idle_timeout,
         config_timeout_s=args.config_timeout,
         max_session_s=args.max_session_duration,

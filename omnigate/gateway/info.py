@@ -35,16 +35,18 @@ async def ready(request: Request) -> Response:
     if problem is not None:
         return JSONResponse({"status": "engine_unhealthy", "error": problem}, status_code=503)
     info = gw.pool.info
-    return JSONResponse(
-        {
-            "status": "ready",
-            "engine": info.family,
-            "model": info.model,
-            "sessions_active": gw.registry.total_active,
-            "sessions_max": gw.registry.max_sessions,
-            "engine_free_slots": gw.pool.free_slots,
-        }
-    )
+    free = gw.pool.free_slots
+    state: dict[str, str | int] = {
+        "engine": info.family,
+        "model": info.model,
+        "sessions_active": gw.registry.total_active,
+        "sessions_max": gw.registry.max_sessions,
+        "engine_free_slots": free,
+    }
+    if free == 0 and gw.settings.admission == "headroom":
+        # The engine would refuse a new stream now: a load balancer sends new sessions to another replica.
+        return JSONResponse({"status": "no_headroom", **state}, status_code=503)
+    return JSONResponse({"status": "ready", **state})
 
 
 async def models(request: Request) -> Response:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from omnigate.engines.admission import AdmissionPolicy
+
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Gateway settings. ``omnigate serve --help`` documents each one."""
@@ -56,6 +58,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     outbox_bytes: int = 2 * 1024 * 1024
     max_utterance_audio_s: float = 120.0
     ttfa_target_s: float = 0.25
+    # admission: "headroom" admits a stream only while the engine keeps every admitted stream on time; "slots" admits
+    # up to the engine's slot count
+    admission: AdmissionPolicy = "headroom"
+    admission_target_load: float = 0.8  # fraction of the engine workers' time admitted streams may need
     retry_after_s: float = 1.0
     # segmenter forced flush
     segment_max_chars: int = 120

@@ -62,6 +62,11 @@ async def speech_stream_endpoint(ws: WebSocket) -> None:
         return
     try:
         with gateway.registry.admit(TRANSPORT) as lease:
+            if gateway.settings.admission == "headroom" and gateway.pool.free_slots == 0:
+                # No headroom: a new session would make the admitted ones late (sessions already here keep theirs).
+                message = "the engine has no headroom for another session; retry shortly"
+                await _refuse(ws, "engine_busy", message, 1013, gateway.settings.retry_after_s)
+                return
             await ws.accept()
             connection = SpeechStreamConnection(ws, gateway, metrics)
             lease.driver = connection.driver

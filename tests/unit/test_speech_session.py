@@ -181,7 +181,7 @@ def test_idle_timeout_covers_gaps_between_utterances_but_not_generation() -> Non
 def test_forced_flush_after_max_wait_reaches_the_engine() -> None:
     s = SpeechSession(INFO, SessionLimits(), 0.0)
     s.handle(Configure(SessionConfig()), 0.0)
-    s.handle(AppendText("words without any punctuation at all "), 0.0)
+    s.handle(AppendText("words without punctuation "), 0.0)  # fewer words than the first unit's budget
     deadline = s.next_deadline_ms()
     assert deadline is not None and deadline <= 400.0
     actions = s.poll(deadline)

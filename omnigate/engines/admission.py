@@ -1,0 +1,221 @@
+"""Admission by headroom: admit one more stream only while the streams already served keep their deadlines. Sans-I/O.
+
+The pool tells the controller what its workers did (each step's worker time and the audio it produced), when a
+stream it serves was picked later than its deadline for want of a worker, and when streams open and close; the
+caller passes the time in, nothing here reads a clock.
+
+The model: a realtime stream needs one second of audio per second of wall time. From the pool's recent steps (its
+real-time factor per stream: worker seconds per second of audio, with the fixed part of a batched step shared by
+its batch) follows the worker time per second that N streams need; ``workers * target_load`` is what it has. A
+stream is admitted when one more still fits. The statistics decay exponentially, so they follow the machine (steps
+slow down when other processes take the cores) and keep their last values while the pool is idle.
+
+Two more rules keep admitted streams on time:
+
+* Before anything is measured (no audio produced yet, and no estimate from the engine's load: :meth:`seed`) the
+  slots admit; the first steps measure the cost, and the rule below guards the start.
+* A stream picked later than its deadline by more than ``late_tolerance_s``, after it had been waiting for a worker,
+  closes admission for ``late_hold_s``: the estimate was wrong (cores taken by others, longer texts), and the streams
+  already admitted come first.
+
+A stream that completes keeps its share for ``grace_s``: a session usually speaks again soon, and its next
+utterance is admitted within the grace even while admission is closed. The pool does not know sessions, so the
+next stream to open takes such a share, whoever's it is; within the grace the pool never carries more than it
+admitted. :meth:`headroom` does not count held shares as taken, so they never keep a new session out for long.
+
+Policy ``slots`` admits by the slot count alone (the behaviour without headroom): every rule above is off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Literal
+
+import msgspec
+
+AdmissionPolicy = Literal["headroom", "slots"]
+ADMISSION_POLICIES: tuple[AdmissionPolicy, ...] = ("headroom", "slots")
+
+
+class AdmissionSettings(msgspec.Struct, frozen=True):
+    """How the pool decides it has room for one more stream."""
+
+    policy: AdmissionPolicy = "headroom"
+    target_load: float = 0.8
+    """Fraction of the workers' time that admitted streams may need (the rest absorbs bursts and the event loop)."""
+    cost_halflife_s: float = 5.0
+    """Half-life of the cost estimate's memory."""
+    grace_s: float = 3.0
+    """A completed stream's share is held this long for its session's next utterance."""
+    late_tolerance_s: float = 0.05
+    """Lateness of a waiting stream beyond this closes admission."""
+    late_hold_s: float = 2.0
+    """How long admission stays closed after a late stream."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission policy must be one of {', '.join(ADMISSION_POLICIES)}, not {self.policy!r}")
+        if not 0.0 < self.target_load <= 1.0:
+            raise ValueError("target_load must be within (0, 1]")
+        if self.cost_halflife_s <= 0 or self.grace_s < 0 or self.late_tolerance_s < 0 or self.late_hold_s < 0:
+            raise ValueError("admission times must be positive (grace, tolerance and hold may be 0)")
+
+
+class AdmissionController:
+    """Headroom of one engine pool; the pool calls it under its lock."""
+
+    def __init__(
+        self, workers: int, max_streams: int, max_batch: int = 1, settings: AdmissionSettings | None = None
+    ) -> None:
+        if workers < 1 or max_streams < 1 or max_batch < 1:
+            raise ValueError("workers, max_streams and max_batch must be >= 1")
+        self.settings = settings or AdmissionSettings()
+        self.workers = workers
+        self.max_streams = max_streams
+        self.max_batch = max_batch
+        self.active = 0
+        self._reservations: deque[float] = deque()  # expiry times of completed streams' shares, ascending
+        # decayed sums over steps: count, worker seconds d, audio seconds a, streams b, a*a, a*d
+        self._n = 0.0
+        self._d = 0.0
+        self._a = 0.0
+        self._b = 0.0
+        self._aa = 0.0
+        self._ad = 0.0
+        self._decayed_at: float | None = None
+        self._closed_until = -math.inf
+        self.refused_total = 0
+        self.late_total = 0
+
+    def seed(self, cost: float, weight_audio_s: float = 1.0) -> None:
+        """Start from ``cost`` (measured at load) as if ``weight_audio_s`` of audio had been observed at it."""
+        if cost > 0 and weight_audio_s > 0:
+            self._add(cost * weight_audio_s, weight_audio_s, 1)
+
+    # ---- what the pool reports ---------------------------------------------------------------------------------
+
+    def observe_step(self, now: float, worker_s: float, audio_ms: float, streams: int = 1) -> None:
+        """A step of ``streams`` streams took ``worker_s`` of one worker's time and produced ``audio_ms`` of audio."""
+        self._decay(now)
+        self._add(max(0.0, worker_s), max(0.0, audio_ms) / 1000.0, max(1, streams))
+
+    def observe_late(self, now: float, late_s: float) -> None:
+        """A stream was picked ``late_s`` after its deadline, having waited for a worker all that time."""
+        if late_s > self.settings.late_tolerance_s:
+            self.late_total += 1
+            self._closed_until = max(self._closed_until, now + self.settings.late_hold_s)
+
+    def opened(self, now: float) -> None:
+        """A stream was admitted (after :meth:`admits` said yes)."""
+        self._expire(now)
+        if self._reservations:
+            self._reservations.popleft()
+        self.active += 1
+
+    def closed(self, now: float, *, keep_share: bool) -> None:
+        """A stream ended; with ``keep_share`` (it completed) its share is held for the grace time."""
+        self.active = max(0, self.active - 1)
+        if keep_share and self.settings.policy == "headroom" and self.settings.grace_s > 0:
+            self._expire(now)
+            self._reservations.append(now + self.settings.grace_s)
+
+    # ---- what the pool asks ------------------------------------------------------------------------------------
+
+    @property
+    def cost(self) -> float | None:
+        """Worker seconds per second of one stream's audio at the current load; None until audio was produced."""
+        load = self.load(max(1, self.active))
+        return None if load is None else load / max(1, self.active)
+
+    def load(self, streams: int) -> float | None:
+        """Worker seconds per second that ``streams`` realtime streams need, at the recent cost; None if unknown.
+
+        A one-stream-per-step engine costs in proportion to the audio it makes (the ratio of worker time to audio).
+        A batched engine's step has a fixed part its streams share and a part per audio (a least-squares line of
+        step time over step audio); while the batch size has not varied, the step time counts as fixed.
+        """
+        if self._a <= 0.0:
+            return None
+        if self.max_batch == 1:
+            return streams * self._d / self._a
+        mean_a, mean_d = self._a / self._n, self._d / self._n
+        var_a = self._aa / self._n - mean_a * mean_a
+        slope = 0.0
+        if var_a > (0.05 * mean_a) ** 2:
+            slope = max(0.0, (self._ad / self._n - mean_a * mean_d) / var_a)
+        fixed = max(0.0, mean_d - slope * mean_a)
+        audio_per_stream_step = self._a / self._b
+        batch = min(self.max_batch, -(-streams // self.workers))
+        return slope * streams + fixed * streams / (batch * audio_per_stream_step)
+
+    def headroom(self, now: float) -> int:
+        """How many more streams the workers would carry now, beyond the active ones."""
+        self._expire(now)
+        carried = self.active
+        if self.settings.policy == "slots":
+            return max(0, self.max_streams - self.active)
+        if now < self._closed_until:
+            return 1 if carried == 0 else 0  # an idle pool always takes one stream (see _fits)
+        extra = 0
+        while carried + extra < self.max_streams and self._fits(carried + extra):
+            extra += 1
+        return extra
+
+    def admits(self, now: float) -> bool:
+        """Whether one more stream may open now; counts a refusal when not."""
+        self._expire(now)
+        if self.settings.policy == "slots" or self._reservations:
+            # A reserved share is this stream's (or a newcomer's within the grace): the pool carried it already.
+            ok = self.active < self.max_streams
+        else:
+            ok = self.headroom(now) > 0
+        if not ok:
+            self.refused_total += 1
+        return ok
+
+    def retry_after_s(self, now: float, default_s: float) -> float:
+        """A retry hint: the end of a closed period, or ``default_s``."""
+        if self.settings.policy == "headroom" and now < self._closed_until:
+            return max(default_s, self._closed_until - now)
+        return default_s
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _fits(self, carried: int) -> bool:
+        """Whether one stream more than ``carried`` keeps every stream on time."""
+        if carried == 0:
+            return True  # an idle pool takes one stream, whatever it costs: refusing it would help nobody
+        after = self.load(carried + 1)
+        if after is None:
+            return True  # nothing measured yet: the first steps measure it, and a late stream closes admission
+        if after <= self.workers * self.settings.target_load + 1e-9:
+            return True
+        # A batch slot that adds no measurable work (a fixed-cost step) is free while the workers keep up.
+        before = self.load(carried)
+        assert before is not None
+        return after - before <= 0.01 * self.workers and after <= self.workers
+
+    def _add(self, d: float, a: float, b: int) -> None:
+        self._n += 1.0
+        self._d += d
+        self._a += a
+        self._b += b
+        self._aa += a * a
+        self._ad += a * d
+
+    def _decay(self, now: float) -> None:
+        if self._decayed_at is not None and now > self._decayed_at:
+            factor = 0.5 ** ((now - self._decayed_at) / self.settings.cost_halflife_s)
+            self._n *= factor
+            self._d *= factor
+            self._a *= factor
+            self._b *= factor
+            self._aa *= factor
+            self._ad *= factor
+        if self._decayed_at is None or now > self._decayed_at:
+            self._decayed_at = now
+
+    def _expire(self, now: float) -> None:
+        while self._reservations and self._reservations[0] <= now:
+            self._reservations.popleft()

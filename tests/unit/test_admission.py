@@ -1,0 +1,196 @@
+"""Headroom admission on a virtual clock: a simulated pool of workers serving realtime streams.
+
+The simulation is the pool's contract with the controller: each admitted stream needs one second of audio per second
+of wall time and costs ``rtf`` worker seconds per second of audio; workers serve the stream with the earliest
+deadline in pieces; the controller hears about every step, every late pick, every open and close.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from omnigate.engines.admission import AdmissionController, AdmissionSettings
+
+PIECE_S = 0.5  # audio one step produces for one stream
+
+
+class SimulatedPool:
+    """``workers`` workers at ``rtf`` serve streams that each play out in real time from their first piece."""
+
+    def __init__(self, admission: AdmissionController, workers: int, rtf: float) -> None:
+        self.admission = admission
+        self.workers = workers
+        self.rtf = rtf
+        self.now = 0.0
+        self.free_at = [0.0] * workers
+        # per stream: when its listener runs dry
+        self.deadlines: dict[int, float] = {}
+        self.underruns = 0
+        self.refused = 0
+        self._ids = 0
+
+    def offer(self) -> int | None:
+        if not self.admission.admits(self.now):
+            self.refused += 1
+            return None
+        self.admission.opened(self.now)
+        self._ids += 1
+        self.deadlines[self._ids] = self.now + 0.25  # the TTFA target
+        return self._ids
+
+    def close(self, stream: int) -> None:
+        del self.deadlines[stream]
+        self.admission.closed(self.now, keep_share=True)
+
+    def run_until(self, end: float) -> None:
+        """Workers pick the earliest deadline whenever they are free; a pick after the deadline is an underrun."""
+        while True:
+            worker = min(range(self.workers), key=lambda i: self.free_at[i])
+            start = max(self.free_at[worker], self.now)
+            if start >= end or not self.deadlines:
+                self.now = end
+                return
+            self.now = start
+            stream = min(self.deadlines, key=lambda s: self.deadlines[s])
+            deadline = self.deadlines[stream]
+            late = self.now - deadline
+            self.admission.observe_late(self.now, late)
+            if late > 0.0:
+                self.underruns += 1
+            cost = PIECE_S * self.rtf
+            self.free_at[worker] = self.now + cost
+            # the piece plays from its deadline (or now, when late): the next one is due when it has played
+            self.deadlines[stream] = max(deadline, self.now + cost) + PIECE_S
+            self.admission.observe_step(self.now + cost, cost, PIECE_S * 1000.0)
+
+
+def test_twice_the_capacity_offered_admits_what_fits_and_nobody_underruns() -> None:
+    workers, rtf = 2, 0.08
+    settings = AdmissionSettings(target_load=0.8)
+    admission = AdmissionController(workers, max_streams=64, settings=settings)
+    admission.seed(rtf)
+    pool = SimulatedPool(admission, workers, rtf)
+    capacity = math.floor(workers * 0.8 / rtf)  # 20 streams
+    for _ in range(2 * capacity):
+        pool.offer()
+        pool.run_until(pool.now + 0.05)
+    pool.run_until(pool.now + 30.0)
+    assert len(pool.deadlines) == capacity
+    assert pool.refused == capacity
+    assert pool.underruns == 0
+    assert admission.headroom(pool.now) == 0
+
+
+def test_slots_policy_admits_past_the_workers_and_every_stream_underruns() -> None:
+    workers, rtf = 2, 0.08
+    admission = AdmissionController(workers, max_streams=64, settings=AdmissionSettings(policy="slots"))
+    pool = SimulatedPool(admission, workers, rtf)
+    for _ in range(40):
+        pool.offer()
+    pool.run_until(10.0)
+    assert len(pool.deadlines) == 40
+    assert pool.refused == 0
+    assert pool.underruns > 40
+
+
+def test_cost_follows_the_machine_and_a_late_pick_closes_admission() -> None:
+    admission = AdmissionController(2, max_streams=64, settings=AdmissionSettings(target_load=1.0, late_hold_s=2.0))
+    for t in range(10):
+        admission.observe_step(float(t), 0.1, 1000.0)  # rtf 0.1: 20 streams on two workers
+    assert admission.cost == pytest.approx(0.1)
+    assert admission.headroom(10.0) == 20
+    # The cores slow down (another process): the estimate follows within a few half-lives.
+    for t in range(10, 40):
+        admission.observe_step(float(t), 0.2, 1000.0)
+    assert admission.headroom(40.0) == 10
+    admission.observe_late(40.0, 0.01)  # within the tolerance
+    assert admission.headroom(40.0) == 10
+    admission.opened(40.0)
+    admission.observe_late(40.0, 0.3)
+    assert admission.headroom(41.0) == 0
+    assert not admission.admits(41.0)
+    assert admission.retry_after_s(41.0, 0.5) == pytest.approx(1.0)
+    assert admission.headroom(42.0) == 9
+    admission.closed(42.0, keep_share=False)
+    admission.observe_late(42.0, 1.0)
+    assert admission.headroom(42.5) == 1  # closed, but idle: one stream is always taken
+    assert admission.late_total == 2 and admission.refused_total == 1
+
+
+def test_before_anything_is_measured_the_slots_admit() -> None:
+    admission = AdmissionController(2, max_streams=3, max_batch=1)
+    assert admission.cost is None
+    for _ in range(3):
+        assert admission.admits(0.0)
+        admission.opened(0.0)
+    assert not admission.admits(0.0)
+
+
+def test_an_idle_pool_takes_one_stream_whatever_it_costs() -> None:
+    admission = AdmissionController(1, max_streams=8)
+    admission.seed(5.0)  # five times slower than real time: no stream keeps its deadline
+    assert admission.admits(0.0)
+    admission.opened(0.0)
+    assert not admission.admits(0.0)
+
+
+def test_a_completed_stream_keeps_its_share_for_the_grace_time() -> None:
+    settings = AdmissionSettings(target_load=1.0, grace_s=3.0, late_hold_s=5.0)
+    admission = AdmissionController(1, max_streams=64, settings=settings)
+    admission.seed(0.5)  # two streams fit
+    for _ in range(2):
+        assert admission.admits(0.0)
+        admission.opened(0.0)
+    admission.closed(1.0, keep_share=True)  # its session will speak again
+    admission.observe_late(1.0, 1.0)  # and admission closes
+    assert admission.headroom(1.5) == 0
+    assert admission.admits(2.0)  # the next utterance within the grace is admitted all the same
+    admission.opened(2.0)
+    assert admission.active == 2
+    admission.closed(3.0, keep_share=False)  # aborted: no share is held
+    assert not admission.admits(3.5)
+    admission.closed(4.0, keep_share=True)
+    assert admission.headroom(7.5) == 2  # the hold is over
+
+
+def test_a_batched_engine_shares_its_fixed_step_cost() -> None:
+    # A step costs 20 ms plus 1 ms per stream and produces 80 ms per stream: one worker carries (80 - 20) / 1 streams.
+    admission = AdmissionController(1, max_streams=1000, max_batch=512, settings=AdmissionSettings(target_load=1.0))
+    for t, batch in enumerate([1, 4, 16, 32, 8, 2] * 5):
+        admission.observe_step(t * 0.1, 0.020 + 0.001 * batch, 80.0 * batch, batch)
+    assert admission.headroom(3.0) == 60
+    # A step whose cost does not depend on the batch (a fixed-time test engine at real time) admits up to its batch.
+    fixed = AdmissionController(1, max_streams=100, max_batch=64)
+    for t in range(20):
+        fixed.observe_step(t * 0.02, 0.020, 20.0, 1)
+    assert fixed.headroom(1.0) == 64
+
+
+def test_slots_policy_counts_slots_only() -> None:
+    admission = AdmissionController(1, max_streams=2, settings=AdmissionSettings(policy="slots"))
+    admission.observe_step(0.0, 10.0, 100.0)  # a cost that headroom would refuse everything at
+    admission.observe_late(0.0, 5.0)
+    assert admission.headroom(0.0) == 2
+    for _ in range(2):
+        assert admission.admits(0.0)
+        admission.opened(0.0)
+    assert not admission.admits(0.0)
+    admission.closed(0.0, keep_share=True)
+    assert admission.headroom(0.0) == 1
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"policy": "fifo"},
+        {"target_load": 0.0},
+        {"target_load": 1.5},
+        {"cost_halflife_s": 0.0},
+        {"grace_s": -1.0},
+    ],
+)
+def test_bad_settings_are_refused(settings: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=r"admission|target_load|times"):
+        AdmissionSettings(**settings)  # type: ignore[arg-type]
