@@ -574,6 +574,8 @@ def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Itera
         args.engine_process,
         "--workers",
         str(args.workers),
+        "--admission",
+        args.admission,
     ]
     log(f"server: {shlex.join(command)}")
     with log_path.open("wb") as sink:
@@ -886,6 +888,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve's --engine-process: the engine in an engine-core process or in the gateway process",
     )
     parser.add_argument("--workers", type=int, default=1, help="serve's --workers (gateway processes on one core)")
+    parser.add_argument(
+        "--admission",
+        choices=["headroom", "slots"],
+        default="slots",
+        help="serve's --admission: slots measures what the engine carries; headroom what the server admits",
+    )
     args = parser.parse_args(argv)
     if args.engine_process != "inline" and (args.profile_engine or args.switch_interval_ms is not None):
         parser.error("--profile-engine and --switch-interval-ms profile a gateway that runs its engine inline")
