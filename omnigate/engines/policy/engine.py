@@ -281,10 +281,22 @@ class PolicyEngine:
             buckets.append(size)
             size *= 2
         buckets.append(self.info.max_batch)
-        with torch.inference_mode():
-            for bucket in reversed(buckets):  # the largest first: the smaller ones reuse its memory pool
-                self._graphs[bucket] = _GraphedSampler(self.policy, bucket, self.dims, self.dtype, pool)
+        try:
+            with torch.inference_mode():
+                for bucket in reversed(buckets):  # the largest first: the smaller ones reuse its memory pool
+                    self._graphs[bucket] = _GraphedSampler(self.policy, bucket, self.dims, self.dtype, pool)
+        except RuntimeError:
+            # A kernel that cannot be captured must not take the policy down: it is served eagerly, and said so.
+            log.exception("policy CUDA graphs could not be captured; stepping eagerly")
+            self._graphs.clear()
+            torch.cuda.synchronize()
+            return
         log.info("policy graphs for batches %s captured in %.1f s", buckets, time.perf_counter() - started)
+
+    @property
+    def graph_batches(self) -> tuple[int, ...]:
+        """The batch sizes served by a CUDA graph (none on a CPU or when capture failed)."""
+        return tuple(sorted(self._graphs))
 
 
 def _pixels(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

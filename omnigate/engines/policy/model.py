@@ -281,7 +281,11 @@ class _GemmaLayer(nn.Module):
         """One layer; ``past`` (the prefix's keys and values of this layer) is attended to before ``x``'s own."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), rope)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # Keys and values repeated per query head (one KV head in pi0): the masked fused kernels take no GQA.
+        groups = q.shape[1] // keys.shape[1]
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + self.self_attn.out(attended)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, (k, v)

@@ -105,9 +105,11 @@ class PolicyPool:
         failure_threshold: int = 3,
         step_observer: StepObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_batch: int | None = None,
     ) -> None:
         self.engine = engine
         self.info = engine.info
+        self.max_batch = engine.info.max_batch if max_batch is None else max(1, min(max_batch, engine.info.max_batch))
         self._retry_after_s = retry_after_s
         self._failure_threshold = failure_threshold
         self._step_observer = step_observer
@@ -130,8 +132,8 @@ class PolicyPool:
         self._thread = threading.Thread(target=self._serve, name="omnigate-policy", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the scheduler and release the engine. Blocking: call from a thread."""
+    def stop(self, timeout: float = 10.0, *, shutdown_engine: bool = True) -> None:
+        """Stop the scheduler and release the engine (unless another scheduler shares it). Blocking."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -140,7 +142,8 @@ class PolicyPool:
         with self._cond:
             for session in list(self._sessions.values()):
                 self._close_locked(session)
-        self.engine.shutdown()
+        if shutdown_engine:
+            self.engine.shutdown()
 
     # ---- gauges ---------------------------------------------------------------------------------------------------
 
@@ -228,7 +231,7 @@ class PolicyPool:
         """The waiting sessions earliest deadline first, up to the batch size."""
         waiting = [s for s in self._sessions.values() if s.pending is not None and not s.busy]
         waiting.sort(key=PolicySession.deadline)
-        return waiting[: self.info.max_batch]
+        return waiting[: self.max_batch]
 
     def _serve(self) -> None:
         while True:
