@@ -17,7 +17,7 @@ prefix is computed once per observation and its keys and values serve every flow
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,14 +35,12 @@ class Pi0Dims:
     vision: dict[str, Any]
     backbone: dict[str, Any]
     expert: dict[str, Any]
-    projection_dim: int = 0  # the backbone's width, filled in by __post_init__ when left 0
     cameras: int = 2
     max_state_dim: int = 32
     max_action_dim: int = 32
     action_horizon: int = 50
     flow_steps: int = 10
     max_prompt_tokens: int = 48
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def vision_config(self) -> SiglipVisionConfig:
         return SiglipVisionConfig(**self.vision)
