@@ -154,8 +154,8 @@ class RobotConnection:
 
     @property
     def idle(self) -> bool:
-        """No observation waiting or in a step."""
-        return self.session is None or not self.session.in_flight
+        """No observation waiting, in a step, or answered and not yet handed to the sender."""
+        return not self._in_flight_since
 
     def end(self, code: str, message: str) -> bool:
         """Close from the server's side with a typed error (text) and 1012; False when already ending."""
@@ -228,7 +228,10 @@ class RobotConnection:
         received = time.perf_counter()
         try:
             observation = check_observation(self.pool.info, unpack(payload, self.settings.robot_max_observation_bytes))
-            self.pool.submit(self.session, observation)
+            # In flight until its reply reaches this connection, not only until the step ends.
+            if self._in_flight_since and not self.session.latest_wins:
+                raise ObservationBusy()
+            replaced = self.pool.submit(self.session, observation)
         except WireError as exc:
             self._refuse_observation(exc)
             return
@@ -244,8 +247,8 @@ class RobotConnection:
         except PoolClosed:
             self._refuse_observation(WireError("shutting_down", "the server is shutting down"))
             return
-        if self.session.latest_wins and len(self._in_flight_since) == 2:
-            self._in_flight_since[-1] = received  # the waiting one was replaced
+        if replaced:
+            self._in_flight_since[-1] = received  # the waiting one gets no reply: this one takes its place
         else:
             self._in_flight_since.append(received)
 

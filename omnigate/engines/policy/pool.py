@@ -189,8 +189,9 @@ class PolicyPool:
             self._sessions[session.id] = session
             return session
 
-    def submit(self, session: PolicySession, observation: Observation) -> None:
-        """Queue the session's next observation. Raises :class:`ObservationBusy` or :class:`PoolClosed`."""
+    def submit(self, session: PolicySession, observation: Observation) -> bool:
+        """Queue the session's next observation; True when it replaced a waiting one (latest-wins), which then gets
+        no reply. Raises :class:`ObservationBusy` or :class:`PoolClosed`."""
         with self._cond:
             if session.closed or self._closing:
                 raise PoolClosed()
@@ -204,12 +205,14 @@ class PolicyPool:
                     interval if previous is None else previous + _PERIOD_EWMA * (interval - previous)
                 )
             session.last_arrival = now
-            if session.pending is not None:
+            replaced = session.pending is not None
+            if replaced:
                 self.replaced_total += 1
             session.pending = observation
             session.pending_arrival = now
             self.observations_total += 1
             self._cond.notify()
+            return replaced
 
     def close(self, session: PolicySession) -> None:
         """End the session: a waiting observation is dropped, a running one's reply is not delivered. Idempotent."""
