@@ -23,6 +23,10 @@ class SessionSettings(msgspec.Struct, frozen=True):
     connect_timeout_s: float = 10.0
     api_key: ApiKey | None = None
     """Sent as ``Authorization: Bearer`` on every request and WebSocket handshake."""
+    control_rate_hz: float = 10.0
+    """``robot``: observations per second of each simulated robot."""
+    robot_image_px: int | None = None
+    """``robot``: side of the square camera images sent; None sends the size the policy's spec names."""
 
 
 class Target(abc.ABC):
