@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import venv
@@ -24,6 +25,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from omnigate.gateway.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from omnigate.loadtest.report import LoadTestReport, consistency_problems
+from tests.integration.test_drain import close_code, next_event, server_process
 from tests.serving import RunningServer, serve
 
 ROUTE = "/v1/realtime/robot/openpi"
@@ -290,3 +292,23 @@ def test_the_load_test_robot_target_measures_inference_latency(robot_server: Run
     assert level.utterances.completed >= 8 and level.ttfa_ms.count == level.utterances.completed
     # a slow shared machine may miss a 50 ms deadline; nothing else may go wrong
     assert set(level.errors) <= {"missed_deadline"}
+
+
+async def test_sigterm_closes_idle_robots_typed_and_the_server_exits_cleanly(tmp_path: Path) -> None:
+    args = ("--robot-model", "preset:tiny", "--robot-option", "threads=1")
+    async with server_process(tmp_path, 30.0, args) as server:
+        url = f"ws://127.0.0.1:{server.port}{ROUTE}"
+        async with connect(url, max_size=None) as robot:
+            metadata = openpi_unpack(await robot.recv())
+            await robot.send(good_observation(metadata))
+            assert "actions" in openpi_unpack(await robot.recv())  # answered: nothing in flight
+
+            server.process.send_signal(signal.SIGTERM)
+
+            error = await next_event(robot)
+            assert (error["type"], error["code"]) == ("error", "shutting_down")
+            assert await close_code(robot) == 1012
+        async with connect(url) as refused:
+            assert (await next_event(refused))["code"] == "shutting_down"
+        assert await server.exit_code() == 0
+    assert "1 sessions closed when idle, 0 at the deadline, 0 left" in server.log.read_text()
