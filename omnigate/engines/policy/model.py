@@ -227,9 +227,9 @@ class _RmsNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        # y * (1 + w) as one addcmul: every elementwise kernel counts, run 180 times per inference in the expert
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return torch.addcmul(y, y, self.weight.float()).to(x.dtype)
 
 
 class _GemmaAttention(nn.Module):
@@ -275,18 +275,36 @@ class _GemmaLayer(nn.Module):
         self.post_attention_layernorm = _RmsNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _GemmaMlp(config)
 
-    def forward(self, x: torch.Tensor, rope: KV, mask: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
-        """One layer; ``past`` (the prefix's keys and values of this layer) is attended to before ``x``'s own."""
+    def forward(
+        self, x: torch.Tensor, rope: KV, mask: torch.Tensor, context: KV | None = None
+    ) -> tuple[torch.Tensor, KV]:
+        """One layer over ``x``; returns its output and ``x``'s keys and values (one per KV head).
+
+        ``context`` (the action expert's case): key and value buffers of every query head, (B, heads, P + T, D), whose
+        first P positions hold the prefix's keys and values of this layer; ``x``'s own are written into the last T.
+        """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), rope)
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        # Keys and values repeated per query head (one KV head in pi0): the masked fused kernels take no GQA.
-        groups = q.shape[1] // keys.shape[1]
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        heads = q.shape[1]
+        if context is None:
+            keys, values = _per_head(k, heads), _per_head(v, heads)
+        else:
+            keys, values = context
+            t = x.shape[1]
+            keys[:, :, -t:] = _per_head(k, heads)
+            values[:, :, -t:] = _per_head(v, heads)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + self.self_attn.out(attended)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, (k, v)
+
+
+def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values for every query head (pi0 has one KV head): the masked fused attention kernels take no GQA."""
+    if t.shape[1] == heads:
+        return t
+    if t.shape[1] == 1:
+        return t.expand(-1, heads, -1, -1)
+    return t.repeat_interleave(heads // t.shape[1], 1)
 
 
 class _GemmaStack(nn.Module):
@@ -360,6 +378,10 @@ class Pi0Policy(nn.Module):
         self.model = Pi0FlowMatching(dims)
         backbone = dims.backbone_config()
         self._head_dim = backbone.head_dim
+        expert = dims.expert_config()
+        if (expert.head_dim, expert.num_hidden_layers) != (backbone.head_dim, backbone.num_hidden_layers):
+            raise ValueError("the action expert must match the backbone's head size and depth (it attends to it)")
+        self._expert_heads = expert.num_attention_heads
         self._theta = float(getattr(backbone, "rope_theta", None) or 10_000.0)
 
     def embed_prefix(
@@ -393,27 +415,29 @@ class Pi0Policy(nn.Module):
         return kv, valid
 
     def velocity(
-        self, kv: list[KV], valid: torch.Tensor, state_emb: torch.Tensor, actions: torch.Tensor, t: float
+        self, context: list[KV], state_emb: torch.Tensor, actions: torch.Tensor, suffix: _Suffix, time_emb: torch.Tensor
     ) -> torch.Tensor:
-        """The action expert's flow velocity at time ``t`` for the noisy ``actions`` (B, H, max_action_dim)."""
+        """The action expert's flow velocity for the noisy ``actions`` (B, H, max_action_dim) at one flow time."""
         model = self.model
         b, horizon, _ = actions.shape
-        width = state_emb.shape[-1]
-        time_emb = _time_embedding(t, width, actions.device, actions.dtype).expand(b, horizon, width)
-        mixed = torch.cat([model.action_in_proj(actions), time_emb], -1)
+        mixed = torch.cat([model.action_in_proj(actions), time_emb.expand(b, horizon, -1)], -1)
         action_emb = model.action_time_mlp_out(F.silu(model.action_time_mlp_in(mixed)))
         x = torch.cat([state_emb, action_emb], 1)
-        suffix = 1 + horizon
-        positions = valid.long().sum(1, keepdim=True) + torch.arange(suffix, device=x.device)
-        rope = _rope_tables(positions, self._head_dim, self._theta, x.dtype)
-        # rows: state, then actions; columns: prefix, state, actions. The state token does not see the actions.
-        sees_suffix = torch.ones(suffix, suffix, dtype=torch.bool, device=x.device)
-        sees_suffix[0, 1:] = False
-        mask = torch.cat([valid[:, None, :].expand(b, suffix, -1), sees_suffix.expand(b, -1, -1)], 2)[:, None]
-        for layer, past in zip(model.paligemma_with_expert.gemma_expert.model.layers, kv, strict=True):
-            x, _ = layer(x, rope, mask, past)
+        for layer, buffers in zip(model.paligemma_with_expert.gemma_expert.model.layers, context, strict=True):
+            x, _ = layer(x, suffix.rope, suffix.mask, buffers)
         x = model.paligemma_with_expert.gemma_expert.model.norm(x)
         return model.action_out_proj(x[:, 1:])  # type: ignore[no-any-return]
+
+    def _suffix(self, valid: torch.Tensor, horizon: int, dtype: torch.dtype) -> _Suffix:
+        """The suffix's RoPE tables and attention mask, the same at every flow step."""
+        b, length = valid.shape[0], 1 + horizon
+        positions = valid.long().sum(1, keepdim=True) + torch.arange(length, device=valid.device)
+        rope = _rope_tables(positions, self._head_dim, self._theta, dtype)
+        # rows: state, then actions; columns: prefix, state, actions. The state token does not see the actions.
+        sees_suffix = torch.ones(length, length, dtype=torch.bool, device=valid.device)
+        sees_suffix[0, 1:] = False
+        mask = torch.cat([valid[:, None, :].expand(b, length, -1), sees_suffix.expand(b, -1, -1)], 2)[:, None]
+        return _Suffix(rope, mask)
 
     def sample_actions(
         self,
@@ -429,21 +453,44 @@ class Pi0Policy(nn.Module):
         already normalized and padded; ``noise`` (B, horizon, max_action_dim). Returns (B, horizon, max_action_dim).
         """
         kv, valid = self.prefix_kv(images, tokens, token_mask)
+        b, horizon, _ = noise.shape
+        heads, head_dim = self._expert_heads, self._head_dim
+        prefix, total = valid.shape[1], valid.shape[1] + 1 + horizon
+        # Per layer, key and value buffers for every head: the prefix part is filled once, the suffix at each step.
+        context: list[KV] = []
+        for k, v in kv:
+            keys = torch.empty(b, heads, total, head_dim, device=noise.device, dtype=k.dtype)
+            values = torch.empty_like(keys)
+            keys[:, :, :prefix] = _per_head(k, heads)
+            values[:, :, :prefix] = _per_head(v, heads)
+            context.append((keys, values))
+        suffix = self._suffix(valid, horizon, noise.dtype)
         state_emb = self.model.state_proj(state.to(noise.dtype))[:, None]
         steps = self.dims.flow_steps
         dt = -1.0 / steps
+        times = _time_embeddings(1.0, dt, steps, state_emb.shape[-1], noise.device, noise.dtype)
         x = noise
         for i in range(steps):
-            x = x + dt * self.velocity(kv, valid, state_emb, x, 1.0 + i * dt)
+            x = x + dt * self.velocity(context, state_emb, x, suffix, times[i])
         return x
 
 
-def _time_embedding(t: float, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """pi0's sine-cosine embedding of the flow time (periods 4e-3 to 4), shaped (1, 1, width)."""
+@dataclass(frozen=True)
+class _Suffix:
+    rope: KV
+    mask: torch.Tensor
+
+
+def _time_embeddings(
+    start: float, step: float, steps: int, width: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """pi0's sine-cosine embedding of the flow times ``start + i * step`` (periods 4e-3 to 4): (steps, 1, 1, width)."""
     fraction = torch.linspace(0.0, 1.0, width // 2, device=device, dtype=torch.float32)
     period = 4e-3 * (4.0 / 4e-3) ** fraction
+    # built on the device from arange: a host tensor copied in would break CUDA graph capture
+    t = start + step * torch.arange(steps, device=device, dtype=torch.float32)[:, None]
     angle = (2 * math.pi / period) * t
-    return torch.cat([angle.sin(), angle.cos()])[None, None].to(dtype)
+    return torch.cat([angle.sin(), angle.cos()], -1)[:, None, None].to(dtype)
 
 
 def build_random(dims: Pi0Dims, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Pi0Policy:
