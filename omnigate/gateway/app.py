@@ -29,6 +29,7 @@ from omnigate.gateway.metrics import Metrics
 from omnigate.gateway.ratelimit import KeyedSessionRegistry
 from omnigate.gateway.realtime.service import start_realtime
 from omnigate.gateway.realtime.ws import duplex_endpoint, realtime_endpoint
+from omnigate.gateway.robot_stream import robot_policy_endpoint, start_robot_pool, stop_robot_pool
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_http import speech_endpoint
 from omnigate.gateway.speech_stream import speech_stream_endpoint
@@ -137,6 +138,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         try:
             app.state.video_engine = await start_video_engine(settings)
             app.state.realtime = await start_realtime(settings, pool)
+            gateway.robot_pool = await start_robot_pool(settings, metrics)
             yield
         finally:
             loop_lag.cancel()
@@ -147,6 +149,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             gateway.pool = None
             await stop_pool()
             await stop_video_engine(app.state.video_engine)
+            robot_pool, gateway.robot_pool = gateway.robot_pool, None
+            await stop_robot_pool(robot_pool)
             app.state.video_engine = None
             if app.state.realtime is not None:
                 await asyncio.to_thread(app.state.realtime.close)
@@ -161,6 +165,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         Route("/v1/audio/speech", speech_endpoint, methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_endpoint),
         WebSocketRoute("/v1/realtime/video", video_stream_endpoint),
+        WebSocketRoute("/v1/realtime/robot/openpi", robot_policy_endpoint),
         WebSocketRoute("/v1/realtime", realtime_endpoint),
         WebSocketRoute("/v1/duplex", duplex_endpoint),
         Route("/v1/realtime/client_secrets", client_secrets_endpoint, methods=["POST"]),

@@ -2,7 +2,8 @@
 
 Credentials, in the order they are looked for:
 
-- ``Authorization: Bearer <API key or client secret>`` (HTTP and WebSocket; what SDKs send);
+- ``Authorization: Bearer <API key or client secret>`` (HTTP and WebSocket; what SDKs send), or ``Authorization:
+  Api-Key <...>`` (what openpi's robot client sends);
 - a WebSocket subprotocol ``openai-insecure-api-key.<client secret or API key>`` (what OpenAI's browser clients
   send, since a browser cannot set WebSocket headers);
 - a ``?token=<client secret>`` query parameter (WebSocket only; query strings end up in proxies' logs, so prefer the
@@ -321,7 +322,8 @@ def _find_credential(scope: Scope) -> _Credential | None:
     authorization = _headers(scope).get(b"authorization")
     if authorization is not None:
         scheme, _, value = authorization.decode("latin-1").strip().partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
+        # "Api-Key KEY" is what openpi's websocket client sends
+        if scheme.lower() in ("bearer", "api-key") and value.strip():
             return _Credential(value.strip(), "header")
     if scope["type"] != "websocket":
         return None

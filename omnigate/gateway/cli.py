@@ -144,6 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="video engine option, repeatable (for example device=cuda, dtype=bfloat16, max_sessions=2, "
         "max_frames_in_flight=16, max_video_pixels=32348160, vae_tile=256)",
     )
+    robot = serve.add_argument_group("robot policy (WS /v1/realtime/robot/openpi, openpi's websocket protocol)")
+    robot.add_argument(
+        "--robot-model",
+        default=None,
+        metavar="SPEC",
+        help="serve a robot policy to openpi clients, many robots batched on one model: a LeRobot pi0 checkpoint "
+        "directory (config.json + model.safetensors), or preset:tiny / preset:pi0 (random weights: the actions "
+        "are noise, for tests and benchmarks); no robot route without it",
+    )
+    robot.add_argument(
+        "--robot-option",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="robot policy option, repeatable (for example device=cuda, dtype=bfloat16, max_batch=64, "
+        "max_sessions=256, cameras=2, control_rate_hz=50, flow_steps=10, graphs=off, threads=1)",
+    )
     duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
     duplex.add_argument(
         "--duplex-model",
@@ -311,6 +329,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         core_socket=args.attach_core,
         video_model=args.video_model,
         video_options=dict(args.video_option),
+        robot_model=args.robot_model,
+        robot_options=dict(args.robot_option),
         duplex_model=args.duplex_model,
         duplex_options=dict(args.duplex_option),
         realtime_input_max_bytes=args.realtime_input_max_bytes,

@@ -25,7 +25,7 @@ class _GatewayCollector(Collector):
         gw = self._gateway
         reg = gw.registry
         active = GaugeMetricFamily("omnigate_sessions_active", "Live sessions", labels=["transport"])
-        for transport in ("ws-speech", "http-speech", "webrtc", "realtime", "video", "webrtc-video"):
+        for transport in ("ws-speech", "http-speech", "webrtc", "realtime", "video", "webrtc-video", "robot"):
             active.add_metric([transport], reg.active.get(transport, 0))
         yield active
         admitted = CounterMetricFamily("omnigate_sessions_admitted", "Sessions admitted", labels=["transport"])
@@ -52,6 +52,23 @@ class _GatewayCollector(Collector):
             "Generated audio waiting unsent over all sessions",
             value=sum(backlog) / 1000.0,
         )
+        robot = gw.robot_pool
+        if robot is not None:
+            yield GaugeMetricFamily("omnigate_robot_sessions", "Robot policy sessions open", value=robot.active)
+            yield GaugeMetricFamily(
+                "omnigate_robot_observations_waiting", "Robot observations waiting for a policy step", robot.waiting
+            )
+            observations = CounterMetricFamily("omnigate_robot_observations", "Robot observations accepted")
+            observations.add_metric([], robot.observations_total)
+            yield observations
+            replaced = CounterMetricFamily(
+                "omnigate_robot_observations_replaced", "Waiting observations replaced by a newer one (latest-wins)"
+            )
+            replaced.add_metric([], robot.replaced_total)
+            yield replaced
+            robot_failed = CounterMetricFamily("omnigate_robot_failed_steps", "Policy steps that raised")
+            robot_failed.add_metric([], robot.failed_steps_total)
+            yield robot_failed
         pool = gw.pool
         if pool is None:
             return
@@ -145,6 +162,36 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=self.registry,
         )
+
+        self.robot_inference = Histogram(
+            "omnigate_robot_inference_seconds",
+            "Server-side time from a robot observation received to its actions sent (queue and policy step)",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0),
+            registry=self.registry,
+        )
+        self.robot_step = Histogram(
+            "omnigate_robot_step_duration_seconds",
+            "Duration of one batched policy step",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.robot_batch = Histogram(
+            "omnigate_robot_batch_size",
+            "Robot observations served by one policy step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
+        self.robot_refusals = Counter(
+            "omnigate_robot_observations_refused",
+            "Robot observations answered with a typed error instead of actions",
+            ["code"],
+            registry=self.registry,
+        )
+
+    def observe_robot_step(self, seconds: float, batch_size: int) -> None:
+        """The policy scheduler's step observer (on its thread)."""
+        self.robot_step.observe(seconds)
+        self.robot_batch.observe(batch_size)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         """The pool's step observer (called on a scheduler thread; prometheus_client is thread-safe)."""

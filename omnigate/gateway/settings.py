@@ -28,6 +28,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # the video engine, loaded beside the speech engine only when a model is named (WS /v1/realtime/video)
     video_model: str | None = None
     video_options: dict[str, str] = {}
+    # the robot policy (WS /v1/realtime/robot/openpi), loaded only when a model is named
+    robot_model: str | None = None
+    robot_options: dict[str, str] = {}
+    robot_max_observation_bytes: int = 2 * 1024 * 1024  # one msgpack observation (three 224x224 cameras: 450 KB)
     # a duplex engine beside a TTS main engine (WS /v1/duplex, /v1/realtime?duplex=1); --engine duplex serves only it
     duplex_model: str | None = None
     duplex_options: dict[str, str] = {}

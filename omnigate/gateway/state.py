@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.settings import Settings
 from omnigate.sessions.registry import SessionRegistry
 from omnigate.sessions.speech import SessionLimits
+
+if TYPE_CHECKING:
+    from omnigate.engines.policy.pool import PolicyPool
 
 
 @dataclass(eq=False)
@@ -19,6 +22,7 @@ class Gateway:
     pool: EnginePoolAPI[Any] | None = None
     registry: SessionRegistry = field(default_factory=lambda: SessionRegistry(0))
     load_error: str | None = None
+    robot_pool: PolicyPool | None = None  # the robot policy scheduler, when --robot-model names a policy
 
     @property
     def ready(self) -> bool:

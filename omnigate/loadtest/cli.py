@@ -123,6 +123,9 @@ def run_parser() -> argparse.ArgumentParser:
     load.add_argument("--corpus", type=Path, help="a .txt file or folder of them (entries split by blank lines)")
     load.add_argument("--utterance-timeout", type=float, default=60.0)
     load.add_argument("--connect-timeout", type=float, default=10.0)
+    robot = parser.add_argument_group("robot target (each utterance is one control tick; TTFA is inference latency)")
+    robot.add_argument("--control-rate", type=float, default=10.0, help="observations per second of each robot")
+    robot.add_argument("--robot-image-size", type=int, help="camera image side in pixels (default: the policy's)")
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--jitter-ms", type=float, default=100.0, help="audio the simulated player buffers first")
     measure.add_argument("--slo-ttfa-ms", type=float, default=100.0, help="p99 TTFA limit for pass/fail")
@@ -207,6 +210,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--warmup must be shorter than --duration")
     if min(args.utterances_per_session, args.rounds, args.max_sessions, args.max_in_flight) < 1:
         parser.error("--utterances-per-session, --rounds, --max-sessions and --max-in-flight must be >= 1")
+    if args.control_rate <= 0 or (args.robot_image_size is not None and args.robot_image_size < 1):
+        parser.error("--control-rate and --robot-image-size must be positive")
     if args.words_per_second < 0 or args.jitter_ms < 0:
         parser.error("--words-per-second and --jitter-ms must be >= 0")
     if args.metrics_interval <= 0:
@@ -224,6 +229,8 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
         api_key=api_key,
         compression=args.compression,
         response_format=args.response_format,
+        control_rate_hz=args.control_rate,
+        robot_image_px=args.robot_image_size,
     )
     level_settings = LevelSettings(
         duration_s=args.duration,

@@ -27,6 +27,10 @@ class SessionSettings(msgspec.Struct, frozen=True):
     """Offer ``permessage-deflate`` on WebSocket handshakes, as browsers and the ``websockets`` library do."""
     response_format: str | None = None
     """The audio format asked for; ``None`` asks for the target's default (what its real clients ask for)."""
+    control_rate_hz: float = 10.0
+    """``robot``: observations per second of each simulated robot."""
+    robot_image_px: int | None = None
+    """``robot``: side of the square camera images sent; None sends the size the policy's spec names."""
 
 
 class Target(abc.ABC):
