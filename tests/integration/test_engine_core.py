@@ -75,7 +75,7 @@ async def core_server(tmp_path: Path, args: Sequence[str]) -> AsyncIterator[Core
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
             *[sys.executable, "-m", "omnigate.gateway.cli", "serve", "--engine", "synthetic", "--port", str(port)],
-            *["--engine-process", "core", *args],
+            *["--engine-process", "core", "--admission", "slots", *args],
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

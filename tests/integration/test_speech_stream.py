@@ -192,7 +192,7 @@ async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_sessi
             await send(ws, "input.done")
             utt = await collect_utterance(ws)
             assert utt.end is not None and utt.end["status"] == "completed"
-            assert [s["sentence_text"] for s in utt.starts] == [words.strip()]
+            assert " ".join(s["sentence_text"] for s in utt.starts) == words.strip()  # first unit cut short
             await send(ws, "input.text", text=words + "end.")
             await send(ws, "input.done")
             utt = await collect_utterance(ws)

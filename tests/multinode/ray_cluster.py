@@ -42,6 +42,7 @@ def engine_args(spec: str, **extra: float) -> EngineAppArgs:
         num_cpus=0.1,
         resources={ENGINE_SLOT: 1.0},
         graceful_shutdown_timeout_s=5.0,
+        admission="slots",  # the tests count live streams per replica; headroom would refuse by measured speed
         **extra,  # type: ignore[arg-type]
     )
 

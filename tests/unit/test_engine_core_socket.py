@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import AudioChunk, StreamDone, SynthesisParams
+from omnigate.engines.core.__main__ import core_for
 from omnigate.engines.core.client import CoreTransport
 from omnigate.engines.core.server import serve_core
 from omnigate.engines.remote.protocol import (
@@ -26,11 +28,15 @@ from omnigate.engines.remote.protocol import (
 from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.remote.transport import ReplicaUnavailable
 from omnigate.engines.synthetic import SyntheticEngine
+from omnigate.gateway.cli import build_parser, settings_from_args
 
 
 @contextlib.asynccontextmanager
 async def running_core(path: str) -> AsyncIterator[tuple[ReplicaCore, asyncio.Event]]:
-    core = ReplicaCore(SyntheticEngine.from_spec("rtf=0.01"), "core-under-test")
+    # Slots admission: the test reads free slots, which headroom admission would cap by its cost estimate.
+    core = ReplicaCore(
+        SyntheticEngine.from_spec("rtf=0.01"), "core-under-test", admission=AdmissionSettings(policy="slots")
+    )
     stop, ready = asyncio.Event(), asyncio.Event()
     server = asyncio.create_task(serve_core(core, path, stop, ready))
     try:
@@ -89,3 +95,13 @@ async def test_a_core_that_goes_away_fails_open_calls_as_unavailable(tmp_path: P
     with pytest.raises(ReplicaUnavailable, match="not reachable"):
         await transport.stats("gw")
     await transport.close()
+
+
+@pytest.mark.parametrize("policy", ["slots", "headroom"])
+def test_the_core_admits_by_the_policy_serve_was_given(policy: str) -> None:
+    settings = settings_from_args(build_parser().parse_args(["serve", "--engine", "synthetic", "--admission", policy]))
+    core = core_for(SyntheticEngine.from_spec("rtf=0.01"), settings)
+    try:
+        assert core.pool.admission.settings.policy == policy
+    finally:
+        core.shutdown()

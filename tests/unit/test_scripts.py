@@ -102,7 +102,7 @@ def test_a_new_environment_installs_again(checkout: Checkout) -> None:
 
 def test_test_says_what_it_installs_and_installs_it_once(checkout: Checkout) -> None:
     calls, stderr = checkout.run("test", "-x")
-    extras = f"torch==2.13.0 -e {checkout.root}[piper,models,loadtest,ray,dev]"
+    extras = f"torch==2.13.0 -e {checkout.root}[piper,models,loadtest,ray,livekit,pipecat,dev]"
     assert [call for call in calls if not call.startswith(("ruff", "mypy"))] == [
         f"python -m pip install --quiet --disable-pip-version-check {extras}",
         "apt-get update -qq",

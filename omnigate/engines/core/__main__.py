@@ -17,11 +17,14 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from omnigate.engines.admission import AdmissionSettings
+from omnigate.engines.base import Engine
 from omnigate.engines.core.server import serve_core
 from omnigate.engines.registry import load_engine
 from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.gateway.cli import build_parser, settings_from_args
 from omnigate.gateway.logging import configure_logging
+from omnigate.gateway.settings import Settings
 
 log = logging.getLogger("omnigate.engines.core")
 
@@ -33,6 +36,19 @@ async def _serve(core: ReplicaCore, socket_path: str) -> None:
     await serve_core(core, socket_path, stop)
 
 
+def core_for(engine: Engine, settings: Settings) -> ReplicaCore:
+    """The core serving ``engine`` with the limits and admission policy ``omnigate serve`` was given."""
+    return ReplicaCore(
+        engine,
+        f"core-{os.getpid()}-{uuid.uuid4().hex[:8]}",  # a new name per start: gateways see a restart as one
+        ttfa_target_s=settings.ttfa_target_s,
+        retry_after_s=settings.retry_after_s,
+        step_timeout_s=settings.engine_step_timeout_s,
+        failure_threshold=settings.engine_failure_threshold,
+        admission=AdmissionSettings(policy=settings.admission, target_load=settings.admission_target_load),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     own = argparse.ArgumentParser(prog="python -m omnigate.engines.core", description=__doc__)
@@ -41,14 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_from_args(build_parser().parse_args(rest))
     configure_logging(settings.log_level, settings.log_json)
     engine = load_engine(settings.engine, settings.model, **settings.engine_options)
-    core = ReplicaCore(
-        engine,
-        f"core-{os.getpid()}-{uuid.uuid4().hex[:8]}",  # a new name per start: gateways see a restart as one
-        ttfa_target_s=settings.ttfa_target_s,
-        retry_after_s=settings.retry_after_s,
-        step_timeout_s=settings.engine_step_timeout_s,
-        failure_threshold=settings.engine_failure_threshold,
-    )
+    core = core_for(engine, settings)
     log.info(
         "engine core pid %d: %s model %s, %d slots",
         os.getpid(),

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import Engine, EngineError, EngineOutput, StreamDone
 from omnigate.engines.pool import EnginePool, PoolClosed, PoolFull, PoolStream
 from omnigate.engines.remote.protocol import (
@@ -64,9 +65,10 @@ class ReplicaCore:
         gateway_lease_s: float = 30.0,
         step_timeout_s: float = 60.0,
         failure_threshold: int = 3,
+        admission: AdmissionSettings | None = None,
     ) -> None:
         """Streams of a gateway not heard from for ``gateway_lease_s`` are ended (gateways renew every second).
-        ``step_timeout_s`` and ``failure_threshold`` are the local pool's fault limits."""
+        ``step_timeout_s`` and ``failure_threshold`` are the local pool's fault limits, ``admission`` its policy."""
         self.replica = replica
         self.retry_after_s = retry_after_s
         self.gateway_lease_s = gateway_lease_s
@@ -78,6 +80,7 @@ class ReplicaCore:
             retry_after_s=retry_after_s,
             step_timeout_s=step_timeout_s,
             failure_threshold=failure_threshold,
+            admission=admission,
         )
         self.pool.start()
         self.draining = False

@@ -24,6 +24,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.schema import ApplicationStatus
 
+from omnigate.engines.admission import AdmissionPolicy, AdmissionSettings
 from omnigate.engines.registry import load_engine
 from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.remote.transport import ReplicaUnavailable
@@ -44,6 +45,8 @@ class EngineAppArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     engine_options: dict[str, str] = {}
     ttfa_target_s: float = 0.25
     retry_after_s: float = 1.0
+    # How the replica's pool admits streams (omnigate.engines.admission): headroom by its measured speed, or slots.
+    admission: AdmissionPolicy = "headroom"
     num_gpus: float = 0.0
     num_cpus: float = 1.0
     # Custom Ray resources the replica needs (for example one per node, to place one replica per node).
@@ -70,6 +73,7 @@ class EngineReplica:
             ttfa_target_s=parsed.ttfa_target_s,
             retry_after_s=parsed.retry_after_s,
             gateway_lease_s=parsed.gateway_lease_s,
+            admission=AdmissionSettings(policy=parsed.admission),
         )
         log.info("engine replica %s serving %s (%d slots)", replica, engine.info.family, engine.info.max_sessions)
 
