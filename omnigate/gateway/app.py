@@ -31,6 +31,8 @@ from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_http import speech_endpoint
 from omnigate.gateway.speech_stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.video_chat.service import start_omni_engine, stop_omni_engine
+from omnigate.gateway.video_chat.ws import video_chat_endpoint
 from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
 from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint, video_calls_endpoint
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
@@ -110,6 +112,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         loop_lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag.observe), name="loop-lag")
         try:
             app.state.video_engine = await start_video_engine(settings)
+            app.state.omni_engine = await start_omni_engine(settings)
             app.state.realtime = await start_realtime(settings, pool)
             yield
         finally:
@@ -122,6 +125,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             await stop_pool()
             await stop_video_engine(app.state.video_engine)
             app.state.video_engine = None
+            await stop_omni_engine(app.state.omni_engine)
+            app.state.omni_engine = None
             if app.state.realtime is not None:
                 await asyncio.to_thread(app.state.realtime.close)
                 app.state.realtime = None
@@ -135,6 +140,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         Route("/v1/audio/speech", speech_endpoint, methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_endpoint),
         WebSocketRoute("/v1/realtime/video", video_stream_endpoint),
+        WebSocketRoute("/v1/video/chat/stream", video_chat_endpoint),
         WebSocketRoute("/v1/realtime", realtime_endpoint),
         WebSocketRoute("/v1/duplex", duplex_endpoint),
         Route("/v1/realtime/client_secrets", client_secrets_endpoint, methods=["POST"]),
@@ -160,6 +166,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
     app.state.gateway = gateway
     app.state.metrics = metrics
     app.state.video_engine = None  # a VideoEngine while serving, when --video-model names one
+    app.state.omni_engine = None  # an OmniEngine while serving, when --omni-model names one
     app.state.realtime = None  # the RealtimeService (engines of /v1/realtime) while serving
     app.state.client_secrets = client_secrets
     app.state.webrtc = webrtc

@@ -127,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="video engine option, repeatable (for example device=cuda, dtype=bfloat16, max_sessions=2, "
         "max_frames_in_flight=16, max_video_pixels=32348160, vae_tile=256)",
     )
+    omni = serve.add_argument_group("video chat (WS /v1/video/chat/stream, page at /static/video-chat.html)")
+    omni.add_argument(
+        "--omni-model",
+        default=None,
+        metavar="SPEC",
+        help="serve live video chat beside the speech engine (camera and microphone in, the answer as text and "
+        "as speech from the speech engine): a local Qwen2.5-Omni checkpoint directory, or preset:tiny / "
+        "preset:qwen2.5-omni-3b (random weights: random text, for tests and benchmarks); no video chat without it",
+    )
+    omni.add_argument(
+        "--omni-option",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="omni engine option, repeatable: device=cuda, dtype=bfloat16, seed=0, max_sessions=16",
+    )
     duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
     duplex.add_argument(
         "--duplex-model",
@@ -276,6 +293,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ray_app_prefix=args.ray_app_prefix,
         video_model=args.video_model,
         video_options=dict(args.video_option),
+        omni_model=args.omni_model,
+        omni_options=dict(args.omni_option),
         duplex_model=args.duplex_model,
         duplex_options=dict(args.duplex_option),
         realtime_input_max_bytes=args.realtime_input_max_bytes,

@@ -20,6 +20,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # the video engine, loaded beside the speech engine only when a model is named (WS /v1/realtime/video)
     video_model: str | None = None
     video_options: dict[str, str] = {}
+    # the omni engine of live video chat, loaded only when a model is named (WS /v1/video/chat/stream)
+    omni_model: str | None = None
+    omni_options: dict[str, str] = {}
     # a duplex engine beside a TTS main engine (WS /v1/duplex, /v1/realtime?duplex=1); --engine duplex serves only it
     duplex_model: str | None = None
     duplex_options: dict[str, str] = {}
