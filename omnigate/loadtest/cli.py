@@ -105,6 +105,10 @@ def run_parser() -> argparse.ArgumentParser:
     load.add_argument("--corpus", type=Path, help="a .txt file or folder of them (entries split by blank lines)")
     load.add_argument("--utterance-timeout", type=float, default=60.0)
     load.add_argument("--connect-timeout", type=float, default=10.0)
+    load.add_argument("--video-fps", type=float, default=2.0, help="video-chat: camera frames per second")
+    load.add_argument(
+        "--query-every", type=float, default=5.0, help="video-chat: seconds after an answer before the next question"
+    )
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--jitter-ms", type=float, default=100.0, help="audio the simulated player buffers first")
     measure.add_argument("--slo-ttfa-ms", type=float, default=100.0, help="p99 TTFA limit for pass/fail")
@@ -185,6 +189,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--utterances-per-session, --rounds, --max-sessions and --max-in-flight must be >= 1")
     if args.words_per_second < 0 or args.jitter_ms < 0:
         parser.error("--words-per-second and --jitter-ms must be >= 0")
+    if args.video_fps <= 0 or args.query_every < 0:
+        parser.error("--video-fps must be > 0 and --query-every >= 0")
     if args.metrics_interval <= 0:
         parser.error("--metrics-interval must be > 0")
     if args.server_pid is not None and not process_exists(args.server_pid):
@@ -197,6 +203,8 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
         words_per_second=args.words_per_second,
         utterance_timeout_s=args.utterance_timeout,
         connect_timeout_s=args.connect_timeout,
+        video_fps=args.video_fps,
+        query_every_s=args.query_every,
         api_key=api_key,
     )
     level_settings = LevelSettings(
