@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_engine_option,
         default=[],
         metavar="KEY=VALUE",
-        help="omni engine option, repeatable: device=cuda, dtype=bfloat16, seed=0, max_sessions=16",
+        help="omni engine option, repeatable: device=cuda, dtype=bfloat16, seed=0, max_sessions=16, frame_size=336 "
+        "(frames are resized to this square, a multiple of 28)",
     )
     duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
     duplex.add_argument(

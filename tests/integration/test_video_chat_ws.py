@@ -171,3 +171,19 @@ async def test_a_gateway_without_an_omni_model_refuses_typed() -> None:
             assert error["code"] == "video_chat_unavailable"
             await ws.wait_closed()
             assert ws.close_code == 4404
+
+
+async def test_the_load_test_target_records_each_spoken_answer(chat_server: RunningServer) -> None:
+    from omnigate.loadtest.report import TargetSpec
+    from omnigate.loadtest.targets import SessionSettings, target_class
+    from omnigate.loadtest.traces import SessionTrace
+
+    spec = TargetSpec(label="video-chat", target="video-chat", url=chat_server.http_url)
+    target = target_class("video-chat")(spec, SessionSettings(video_fps=10.0, query_every_s=0.0))
+    await target.open()
+    trace = SessionTrace(0, 0.0)
+    await target.run_session(["What is moving?", "And now?"], trace)
+    await target.close()
+    assert not trace.errors, trace.error_details
+    assert [u.status for u in trace.utterances] == ["completed", "completed"]
+    assert all(u.bytes > 0 and u.ttfa_ms is not None for u in trace.utterances)

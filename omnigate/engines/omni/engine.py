@@ -86,13 +86,17 @@ class OmniEngine:
 
     @classmethod
     def load(cls, spec: str, **options: str) -> OmniEngine:
-        """``--omni-model SPEC`` with ``--omni-option`` values: device, dtype, seed, max_sessions."""
-        known = {"device", "dtype", "seed", "max_sessions"}
+        """``--omni-model SPEC`` with ``--omni-option`` values: device, dtype, seed, max_sessions, frame_size."""
+        known = {"device", "dtype", "seed", "max_sessions", "frame_size"}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown omni option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         model = load_omni_model(
-            spec, seed=int(options.get("seed", "0")), device=options.get("device", "cpu"), dtype=options.get("dtype")
+            spec,
+            seed=int(options.get("seed", "0")),
+            device=options.get("device", "cpu"),
+            dtype=options.get("dtype"),
+            frame_size=int(options["frame_size"]) if "frame_size" in options else None,
         )
         return cls(model, max_sessions=int(options.get("max_sessions", "16")))
 

@@ -241,11 +241,18 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: str = "bfloat16",
     return OmniModel(thinker, tokenizer, name=str(path), frame_size=frame_size, random_weights=False, vocab_limit=limit)
 
 
-def load_omni_model(spec: str, *, seed: int = 0, device: str = "cpu", dtype: str | None = None) -> OmniModel:
-    """Resolve ``--omni-model``: ``preset:NAME`` or a checkpoint directory."""
+def load_omni_model(
+    spec: str, *, seed: int = 0, device: str = "cpu", dtype: str | None = None, frame_size: int | None = None
+) -> OmniModel:
+    """Resolve ``--omni-model``: ``preset:NAME`` or a checkpoint directory (frames resized to ``frame_size``)."""
+    if frame_size is not None and (frame_size <= 0 or frame_size % 28):
+        raise OmniModelError(f"frame_size {frame_size} must be a positive multiple of 28")
     if spec.startswith(PRESET_PREFIX):
-        return build_preset(spec[len(PRESET_PREFIX) :], seed=seed, device=device, dtype=dtype or "float32")
+        model = build_preset(spec[len(PRESET_PREFIX) :], seed=seed, device=device, dtype=dtype or "float32")
+        if frame_size is not None:
+            model.frame_size = frame_size
+        return model
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise OmniModelError(f"omni model {spec!r} is neither preset:NAME nor a directory")
-    return load_checkpoint(path, device=device, dtype=dtype or "bfloat16")
+    return load_checkpoint(path, device=device, dtype=dtype or "bfloat16", frame_size=frame_size or 336)
