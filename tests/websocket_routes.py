@@ -10,18 +10,22 @@ from starlette.routing import WebSocketRoute
 from omnigate.gateway.settings import Settings
 from tests.serving import RunningServer, serve
 
-MEDIA_ROUTES = frozenset({"/v1/audio/speech/stream", "/v1/realtime", "/v1/duplex", "/v1/realtime/video"})
+MEDIA_ROUTES = frozenset(
+    {"/v1/audio/speech/stream", "/v1/realtime", "/v1/duplex", "/v1/realtime/video", "/v1/video/chat/stream"}
+)
 
 
 @contextmanager
 def serve_every_engine() -> Iterator[RunningServer]:
-    """Speech (synthetic), duplex and video (the tiny random-weight presets) engines, one session each."""
+    """Speech (synthetic), duplex, video and omni (the tiny random-weight presets) engines, one session each."""
     settings = Settings(
         engine="synthetic",
         duplex_model="preset:tiny",
         duplex_options={"max_sessions": "1"},
         video_model="preset:tiny",
         video_options={"max_sessions": "1"},
+        omni_model="preset:tiny",
+        omni_options={"max_sessions": "1"},
     )
     with serve(settings) as server:
         yield server
