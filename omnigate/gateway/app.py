@@ -31,6 +31,7 @@ from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_http import speech_endpoint
 from omnigate.gateway.speech_stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.video_chat.call import video_chat_calls_endpoint
 from omnigate.gateway.video_chat.service import start_omni_engine, stop_omni_engine
 from omnigate.gateway.video_chat.ws import video_chat_endpoint
 from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
@@ -146,6 +147,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         Route("/v1/realtime/client_secrets", client_secrets_endpoint, methods=["POST"]),
         Route("/v1/realtime/calls", realtime_calls_endpoint, methods=["POST"]),
         Route("/v1/realtime/video/calls", video_calls_endpoint, methods=["POST"]),
+        Route("/v1/video/chat/calls", video_chat_calls_endpoint, methods=["POST"]),
         *web_routes(settings.web_token_url),
     ]
     client_secrets = ClientSecretStore(settings.max_client_secrets)

@@ -236,6 +236,11 @@ class VideoChatSession:
         self._waiting: tuple[str, bytes | None] | None = None  # a query held until the frames before it decode
 
     @property
+    def latest_query(self) -> int:
+        """The id of the newest query started (-1 before the first): older ones are cancelled or done."""
+        return self._next_query - 1
+
+    @property
     def answering(self) -> bool:
         return self._query is not None or bool(self._speaking) or self._waiting is not None
 

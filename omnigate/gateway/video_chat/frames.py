@@ -12,6 +12,7 @@ import hashlib
 import io
 from collections.abc import Callable
 
+import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
@@ -26,8 +27,11 @@ class FrameDecodeError(ValueError):
     pass
 
 
-def decode_frame(data: bytes, frame_size: int) -> DecodedFrame:
-    """Decode one JPEG/PNG picture. Blocking (milliseconds): run it on a worker thread."""
+def decode_frame(data: bytes | av.VideoFrame, frame_size: int) -> DecodedFrame:
+    """Decode one JPEG/PNG picture (or convert a WebRTC camera frame). Blocking (milliseconds): run it on a worker
+    thread."""
+    if isinstance(data, av.VideoFrame):
+        return _prepare(Image.fromarray(data.to_ndarray(format="rgb24")), frame_size)
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in ("JPEG", "PNG"):
@@ -37,6 +41,10 @@ def decode_frame(data: bytes, frame_size: int) -> DecodedFrame:
             rgb = image.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise FrameDecodeError(f"video.frame is not a decodable JPEG/PNG picture: {exc}") from None
+    return _prepare(rgb, frame_size)
+
+
+def _prepare(rgb: Image.Image, frame_size: int) -> DecodedFrame:
     side = min(rgb.width, rgb.height)
     left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
     square = rgb.crop((left, top, left + side, top + side))
@@ -62,10 +70,10 @@ class FrameDecoder:
         self._frame_size = frame_size
         self._on_frame = on_frame
         self._on_error = on_error
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=capacity)
+        self._queue: asyncio.Queue[bytes | av.VideoFrame] = asyncio.Queue(maxsize=capacity)
         self._task = asyncio.create_task(self._run(), name="video-chat-frames")
 
-    def put(self, data: bytes) -> None:
+    def put(self, data: bytes | av.VideoFrame) -> None:
         self._queue.put_nowait(data)
 
     async def _run(self) -> None:

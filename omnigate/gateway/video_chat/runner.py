@@ -18,6 +18,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import av
 import msgspec
 
 from omnigate.engines.base import EngineError
@@ -116,7 +117,7 @@ class VideoChatRunner:
         if voice_changed and self.session.config is config and not self.session.answering:
             self.driver.submit(Configure(SessionConfig(voice=config.voice)))
 
-    def frame(self, data: bytes) -> None:
+    def frame(self, data: bytes | av.VideoFrame) -> None:
         admitted, actions = self.session.frame_arrived()
         self._apply(actions)
         if admitted:

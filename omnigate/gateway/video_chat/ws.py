@@ -15,6 +15,7 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.gateway.errors import json_error
+from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.task_pair import park, run_reader_writer
 from omnigate.gateway.video_chat.protocol import (
@@ -91,6 +92,33 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, retry
     await ws.close(close_code, code)
 
 
+def handle_client_text(runner: VideoChatRunner, text: str, settings: Settings) -> None:
+    """One client event of either transport; a bad one is answered with a typed ``error``."""
+    try:
+        event = decode_client_event(text)
+        if isinstance(event, VideoFrameEvent):
+            runner.frame(decode_base64(event.data, "data", MAX_FRAME_BYTES))
+        elif isinstance(event, AudioChunkEvent):
+            runner.audio(decode_base64(event.data, "data", settings.ws_max_message_bytes))
+        elif isinstance(event, VideoQueryEvent):
+            audio = None
+            if event.audio_data is not None:
+                audio = decode_base64(event.audio_data, "audio_data", settings.ws_max_message_bytes)
+            runner.query(event.text, audio)
+        elif isinstance(event, SessionConfigEvent):
+            try:
+                config = merged_config(runner.config, event)
+            except (TypeError, msgspec.ValidationError) as exc:
+                raise ProtocolError("invalid_config", str(exc)) from None
+            runner.configure(config)
+        elif isinstance(event, VideoDoneEvent):
+            runner.done()
+        elif isinstance(event, PingEvent):
+            runner.pong()
+    except ProtocolError as exc:
+        runner.error(exc.code, exc.message, exc.param)
+
+
 class VideoChatConnection:
     """One accepted connection; also the session's drain target (idle while no query is answered)."""
 
@@ -154,35 +182,9 @@ class VideoChatConnection:
             if text is None:
                 self.runner.error("invalid_message", "binary frames are not accepted on this endpoint; send JSON text")
                 continue
-            self._on_text(text)
+            handle_client_text(self.runner, text, self.settings)
             if self.runner.closed:
                 await park()
-
-    def _on_text(self, text: str) -> None:
-        runner = self.runner
-        try:
-            event = decode_client_event(text)
-            if isinstance(event, VideoFrameEvent):
-                runner.frame(decode_base64(event.data, "data", MAX_FRAME_BYTES))
-            elif isinstance(event, AudioChunkEvent):
-                runner.audio(decode_base64(event.data, "data", self.settings.ws_max_message_bytes))
-            elif isinstance(event, VideoQueryEvent):
-                audio = None
-                if event.audio_data is not None:
-                    audio = decode_base64(event.audio_data, "audio_data", self.settings.ws_max_message_bytes)
-                runner.query(event.text, audio)
-            elif isinstance(event, SessionConfigEvent):
-                try:
-                    config = merged_config(runner.config, event)
-                except (TypeError, msgspec.ValidationError) as exc:
-                    raise ProtocolError("invalid_config", str(exc)) from None
-                runner.configure(config)
-            elif isinstance(event, VideoDoneEvent):
-                runner.done()
-            elif isinstance(event, PingEvent):
-                runner.pong()
-        except ProtocolError as exc:
-            runner.error(exc.code, exc.message, exc.param)
 
     # ---- writer -----------------------------------------------------------------------------------------------
 
