@@ -53,6 +53,7 @@ SPEECH_START = 0.5  # a VAD window this likely to be speech starts a spoken ques
 SPEECH_END = 0.35  # ... and this many windows below this end it
 END_WINDOWS = 20  # 20 x 32 ms: 640 ms of silence
 LEAD_IN_WINDOWS = 10  # audio kept from before the speech started (its first syllable)
+MAX_UNHEARD_BYTES = RTC_SAMPLE_RATE * 2 * 2  # 2 s of 48 kHz microphone audio waiting for the VAD; more is dropped
 
 
 class SpokenQuestions:
@@ -114,6 +115,8 @@ class VideoChatCall:
         self.track = SpeechTrack(lambda: self.runner.session.latest_query, DEFAULT_LEAD_FRAMES)
         self.pc = RTCPeerConnection(rtc_configuration(self.settings.webrtc_stun_servers))
         self._channel: ChannelWriter | None = None
+        self._heard = bytearray()  # microphone audio the VAD has not heard yet
+        self._listener: asyncio.Future[None] | None = None
         self._inbound: set[asyncio.Task[None]] = set()
         self._timers: list[asyncio.TimerHandle] = []
         self._end_reason = "client_disconnected"
@@ -174,9 +177,10 @@ class VideoChatCall:
         try:
             await self.pc.close()
         finally:
-            for task in self._inbound:
+            pending = [*self._inbound, *([self._listener] if self._listener is not None else [])]
+            for task in pending:
                 task.cancel()
-            await asyncio.gather(*self._inbound, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def _on_connection_state(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):
@@ -197,9 +201,19 @@ class VideoChatCall:
         task.add_done_callback(self._inbound.discard)
 
     def _on_microphone(self, pcm: bytes) -> None:
-        question = self.questions.push(pcm)
-        if question is not None and not self.runner.closed:
-            self.runner.query("", question)
+        # The VAD costs about 1 ms per 32 ms window: it runs on a worker thread, one batch at a time, and audio that
+        # arrives meanwhile waits (bounded) for the next batch.
+        if len(self._heard) + len(pcm) <= MAX_UNHEARD_BYTES:
+            self._heard += pcm
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.ensure_future(self._listen())
+
+    async def _listen(self) -> None:
+        while self._heard and not self.runner.closed:
+            batch, self._heard = bytes(self._heard), bytearray()
+            question = await asyncio.to_thread(self.questions.push, batch)
+            if question is not None and not self.runner.closed:
+                self.runner.query("", question)
 
     async def _camera(self, track: MediaStreamTrack) -> None:
         loop = asyncio.get_running_loop()
