@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--levels", default="1,16,64", help="session counts, comma-separated")
     parser.add_argument("--fps", type=float, default=2.0)
     parser.add_argument("--query-every", type=float, default=6.0, help="seconds between a session's questions")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds per level")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds per level")
     parser.add_argument("--num-frames", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--encoder-frames", type=int, default=32)
