@@ -231,6 +231,7 @@ class VideoChatSession:
         self.frames_filtered = 0
         self._query: _Query | None = None  # the query in flight
         self._speaking: dict[int, int] = {}  # speech utterance index -> query id
+        self._failed: set[int] = set()  # queries whose speech is cancelled because their answer failed
         self._utterances = 0
         self._next_query = 0
         self._waiting: tuple[str, bytes | None] | None = None  # a query held until the frames before it decode
@@ -420,6 +421,9 @@ class VideoChatSession:
             status: QueryStatus = "error" if event.status == "error" else event.status  # type: ignore[assignment]
             if event.status in ("max_duration", "silence"):
                 status = "completed"
+            if owner in self._failed:
+                self._failed.discard(owner)
+                status = "error"
             actions: list[Action] = [Emit(ResponseAudioDone(owner, status))]
             actions.extend(self._maybe_close())
             return actions
@@ -475,6 +479,8 @@ class VideoChatSession:
                     query.speech_started = True
                 actions.append(FinishSpeech())
             elif query.speech_started:
+                if status == "error":
+                    self._failed.add(query.id)
                 actions.append(CancelSpeech())
             else:
                 actions.append(Emit(ResponseAudioDone(query.id, status)))

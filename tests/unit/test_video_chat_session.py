@@ -221,3 +221,13 @@ def test_a_refused_query_ends_with_its_terminals() -> None:
         ResponseTextDone(think.query, "", "error"),
         ResponseAudioDone(think.query, "error"),
     ]
+
+
+def test_an_answer_that_fails_mid_speech_ends_its_audio_as_an_error() -> None:
+    s = session()
+    think = start(s)
+    s.on_think(think.query, [TextDelta("Hello. ")])
+    actions = s.on_think(think.query, [ThinkDone("error", "Hello. ", 2, "boom")])
+    assert any(isinstance(a, CancelSpeech) for a in actions)
+    assert ChatError("generation_failed", "boom") in events(actions)
+    assert events(s.on_speech(UtteranceDone(0, 0, 1, "cancelled"))) == [ResponseAudioDone(think.query, "error")]
