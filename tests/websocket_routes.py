@@ -11,14 +11,21 @@ from omnigate.gateway.settings import Settings
 from tests.serving import RunningServer, serve
 
 MEDIA_ROUTES = frozenset(
-    {"/v1/audio/speech/stream", "/v1/realtime", "/v1/duplex", "/v1/realtime/video", "/v1/realtime/robot/openpi"}
+    {
+        "/v1/audio/speech/stream",
+        "/v1/realtime",
+        "/v1/duplex",
+        "/v1/realtime/video",
+        "/v1/realtime/robot/openpi",
+        "/v1/video/chat/stream",
+    }
 )
 
 
 @contextmanager
 def serve_every_engine() -> Iterator[RunningServer]:
-    """Speech (synthetic), duplex, video and robot policy (the tiny random-weight presets) engines, one session
-    each."""
+    """Speech (synthetic), duplex, video, robot policy and omni (the tiny random-weight presets) engines, one
+    session each."""
     settings = Settings(
         engine="synthetic",
         duplex_model="preset:tiny",
@@ -27,6 +34,8 @@ def serve_every_engine() -> Iterator[RunningServer]:
         video_options={"max_sessions": "1"},
         robot_model="preset:tiny",
         robot_options={"max_sessions": "1", "threads": "1"},
+        omni_model="preset:tiny",
+        omni_options={"max_sessions": "1"},
     )
     with serve(settings) as server:
         yield server

@@ -34,6 +34,9 @@ from omnigate.gateway.settings import Settings
 from omnigate.gateway.speech_http import speech_endpoint
 from omnigate.gateway.speech_stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.video_chat.call import video_chat_calls_endpoint
+from omnigate.gateway.video_chat.service import start_omni_engine, stop_omni_engine
+from omnigate.gateway.video_chat.ws import video_chat_endpoint
 from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
 from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint, video_calls_endpoint
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
@@ -137,6 +140,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         loop_lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag.observe), name="loop-lag")
         try:
             app.state.video_engine = await start_video_engine(settings)
+            app.state.omni_engine = await start_omni_engine(settings)
             app.state.realtime = await start_realtime(settings, pool)
             gateway.robot_pool = await start_robot_pool(settings, metrics)
             yield
@@ -152,6 +156,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             robot_pool, gateway.robot_pool = gateway.robot_pool, None
             await stop_robot_pool(robot_pool)
             app.state.video_engine = None
+            await stop_omni_engine(app.state.omni_engine)
+            app.state.omni_engine = None
             if app.state.realtime is not None:
                 await asyncio.to_thread(app.state.realtime.close)
                 app.state.realtime = None
@@ -166,11 +172,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         WebSocketRoute("/v1/audio/speech/stream", speech_stream_endpoint),
         WebSocketRoute("/v1/realtime/video", video_stream_endpoint),
         WebSocketRoute("/v1/realtime/robot/openpi", robot_policy_endpoint),
+        WebSocketRoute("/v1/video/chat/stream", video_chat_endpoint),
         WebSocketRoute("/v1/realtime", realtime_endpoint),
         WebSocketRoute("/v1/duplex", duplex_endpoint),
         Route("/v1/realtime/client_secrets", client_secrets_endpoint, methods=["POST"]),
         Route("/v1/realtime/calls", realtime_calls_endpoint, methods=["POST"]),
         Route("/v1/realtime/video/calls", video_calls_endpoint, methods=["POST"]),
+        Route("/v1/video/chat/calls", video_chat_calls_endpoint, methods=["POST"]),
         *web_routes(settings.web_token_url),
     ]
     client_secrets = ClientSecretStore(settings.max_client_secrets, settings.max_client_secrets_per_key)
@@ -191,6 +199,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
     app.state.gateway = gateway
     app.state.metrics = metrics
     app.state.video_engine = None  # a VideoEngine while serving, when --video-model names one
+    app.state.omni_engine = None  # an OmniEngine while serving, when --omni-model names one
     app.state.realtime = None  # the RealtimeService (engines of /v1/realtime) while serving
     app.state.client_secrets = client_secrets
     app.state.webrtc = webrtc

@@ -162,6 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="robot policy option, repeatable (for example device=cuda, dtype=bfloat16, max_batch=64, "
         "max_sessions=256, cameras=2, control_rate_hz=50, flow_steps=10, graphs=off, threads=1)",
     )
+    omni = serve.add_argument_group("video chat (WS /v1/video/chat/stream, page at /static/video-chat.html)")
+    omni.add_argument(
+        "--omni-model",
+        default=None,
+        metavar="SPEC",
+        help="serve live video chat beside the speech engine (camera and microphone in, the answer as text and "
+        "as speech from the speech engine): a local Qwen2.5-Omni checkpoint directory, or preset:tiny / "
+        "preset:qwen2.5-omni-3b (random weights: random text, for tests and benchmarks); no video chat without it",
+    )
+    omni.add_argument(
+        "--omni-option",
+        action="append",
+        type=_engine_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="omni engine option, repeatable: device=cuda, dtype=bfloat16, seed=0, max_sessions=16, frame_size=336 "
+        "(frames are resized to this square, a multiple of 28)",
+    )
     duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
     duplex.add_argument(
         "--duplex-model",
@@ -331,6 +349,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         video_options=dict(args.video_option),
         robot_model=args.robot_model,
         robot_options=dict(args.robot_option),
+        omni_model=args.omni_model,
+        omni_options=dict(args.omni_option),
         duplex_model=args.duplex_model,
         duplex_options=dict(args.duplex_option),
         realtime_input_max_bytes=args.realtime_input_max_bytes,

@@ -32,6 +32,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     robot_model: str | None = None
     robot_options: dict[str, str] = {}
     robot_max_observation_bytes: int = 2 * 1024 * 1024  # one msgpack observation (three 224x224 cameras: 450 KB)
+    # the omni engine of live video chat, loaded only when a model is named (WS /v1/video/chat/stream)
+    omni_model: str | None = None
+    omni_options: dict[str, str] = {}
     # a duplex engine beside a TTS main engine (WS /v1/duplex, /v1/realtime?duplex=1); --engine duplex serves only it
     duplex_model: str | None = None
     duplex_options: dict[str, str] = {}

@@ -126,6 +126,10 @@ def run_parser() -> argparse.ArgumentParser:
     robot = parser.add_argument_group("robot target (each utterance is one control tick; TTFA is inference latency)")
     robot.add_argument("--control-rate", type=float, default=10.0, help="observations per second of each robot")
     robot.add_argument("--robot-image-size", type=int, help="camera image side in pixels (default: the policy's)")
+    load.add_argument("--video-fps", type=float, default=2.0, help="video-chat: camera frames per second")
+    load.add_argument(
+        "--query-every", type=float, default=5.0, help="video-chat: seconds after an answer before the next question"
+    )
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--jitter-ms", type=float, default=100.0, help="audio the simulated player buffers first")
     measure.add_argument("--slo-ttfa-ms", type=float, default=100.0, help="p99 TTFA limit for pass/fail")
@@ -214,6 +218,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--control-rate and --robot-image-size must be positive")
     if args.words_per_second < 0 or args.jitter_ms < 0:
         parser.error("--words-per-second and --jitter-ms must be >= 0")
+    if args.video_fps <= 0 or args.query_every < 0:
+        parser.error("--video-fps must be > 0 and --query-every >= 0")
     if args.metrics_interval <= 0:
         parser.error("--metrics-interval must be > 0")
     if args.server_pid is not None and not process_exists(args.server_pid):
@@ -226,6 +232,8 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
         words_per_second=args.words_per_second,
         utterance_timeout_s=args.utterance_timeout,
         connect_timeout_s=args.connect_timeout,
+        video_fps=args.video_fps,
+        query_every_s=args.query_every,
         api_key=api_key,
         compression=args.compression,
         response_format=args.response_format,

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from aiortc.sdp import SessionDescription
 from starlette.requests import Request
@@ -31,6 +31,10 @@ from omnigate.sessions.registry import SessionLease, SessionLimitReached
 
 if TYPE_CHECKING:
     from omnigate.engines.video.engine import VideoEngine
+    from omnigate.gateway.video_chat.call import VideoChatCall
+
+# A call of any route (the video-chat call module imports this one, so it is named here only for types).
+Call: TypeAlias = "WebRtcCall | VideoCall | VideoChatCall"
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class WebRtcCalls:
     def __init__(self, settings: Settings, telemetry: WebRtcTelemetry) -> None:
         self.settings = settings
         self.telemetry = telemetry
-        self.calls: dict[str, WebRtcCall | VideoCall] = {}
+        self.calls: dict[str, Call] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._restore_ice: Callable[[], None] | None = None
 
@@ -53,7 +57,7 @@ class WebRtcCalls:
         """Apply the process-wide ICE options (host candidate addresses, UDP port range) when they are set."""
         self._restore_ice = configure_ice(self.settings.webrtc_host_addresses, self.settings.webrtc_udp_ports)
 
-    def start(self, call: WebRtcCall | VideoCall) -> None:
+    def start(self, call: Call) -> None:
         self.calls[call.call_id] = call
         task = asyncio.create_task(call.run(), name=f"webrtc-call-{call.call_id}")
         self._tasks.add(task)
@@ -138,7 +142,7 @@ def _admit(gateway: Gateway, transport: str) -> SessionLease:
         raise HttpError(503, str(exc), code=code, retry_after_s=exc.retry_after_s) from None
 
 
-async def _answer(call: WebRtcCall | VideoCall, offer: str, calls: WebRtcCalls, path: str) -> Response:
+async def _answer(call: Call, offer: str, calls: WebRtcCalls, path: str) -> Response:
     """Answer the offer and start serving the call (201), or close it and refuse the offer (400)."""
     try:
         answer = await call.answer(offer)

@@ -20,6 +20,7 @@ _BUILTIN: dict[str, str] = {
     "webrtc": "omnigate.loadtest.targets.webrtc:WebRtcTarget",
     "realtime": "omnigate.loadtest.targets.realtime:RealtimeTarget",
     "robot": "omnigate.loadtest.targets.robot:RobotTarget",
+    "video-chat": "omnigate.loadtest.targets.video_chat:VideoChatTarget",
 }
 
 _registered: dict[str, type[Target]] = {}

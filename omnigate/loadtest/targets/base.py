@@ -21,6 +21,10 @@ class SessionSettings(msgspec.Struct, frozen=True):
     """Pace of streamed text; 0 sends each utterance's text in one message."""
     utterance_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
+    video_fps: float = 2.0
+    """Camera frames per second a ``video-chat`` session sends."""
+    query_every_s: float = 5.0
+    """Seconds a ``video-chat`` session waits after an answer before its next question."""
     api_key: ApiKey | None = None
     """Sent as ``Authorization: Bearer`` on every request and WebSocket handshake."""
     compression: bool = True

@@ -1,0 +1,224 @@
+"""Live video chat latency and vision-encoder cost, in one command.
+
+Starts the real gateway in this process (omni engine + talker speech engine), then at each session count N opens N
+WebSocket clients of ``/v1/video/chat/stream`` that send JPEG camera frames at ``--fps`` and ask one question every
+``--query-every`` seconds; it reports, per level, the time from ``video.query`` to the first text delta and to the
+first audio byte (p50/p95/max over every query after the first round). Then it measures the vision encoder alone:
+milliseconds per frame when every frame is new, and when the frames are unchanged (their vision tokens come from
+the session's encoder cache).
+
+GPU (published shapes, random weights):
+    python -m benchmarks.video_chat_gpu --out $OUT/video_chat_gpu.json
+CPU smoke run (tiny presets):
+    python -m benchmarks.video_chat_gpu --tiny --levels 1,8 --out docs/benchmarks/video_chat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from websockets.asyncio.client import connect
+
+from omnigate.gateway.settings import Settings
+from tests.serving import serve
+
+ROUTE = "/v1/video/chat/stream"
+
+
+def camera_frames(count: int, size: tuple[int, int] = (640, 480)) -> list[str]:
+    """A moving picture (a bright square crossing a gradient) as base64 JPEGs, so the frame filter keeps them."""
+    out = []
+    w, h = size
+    base = np.tile(np.linspace(0, 200, w, dtype=np.uint8), (h, 1))
+    for i in range(count):
+        img = np.stack([base, base[::-1], np.full_like(base, 80)], axis=-1).copy()
+        x = (i * 37) % (w - 80)
+        img[100:180, x : x + 80] = 255
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, "JPEG", quality=80)
+        out.append(base64.b64encode(buf.getvalue()).decode())
+    return out
+
+
+def summary(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    return {
+        "n": len(values),
+        "p50_ms": round(statistics.median(ordered) * 1000, 1),
+        "p95_ms": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] * 1000, 1),
+        "max_ms": round(ordered[-1] * 1000, 1),
+    }
+
+
+async def one_session(url: str, frames: list[str], args: argparse.Namespace, results: dict[str, list[float]]) -> None:
+    async with connect(url + ROUTE, max_size=None) as ws:
+        config = {"num_frames": args.num_frames, "max_new_tokens": args.max_new_tokens, "audio_format": "pcm"}
+        await ws.send(json.dumps({"type": "session.config", **config}))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + args.duration
+        state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0, "open": False}
+
+        async def reader() -> None:
+            async for message in ws:
+                event = json.loads(message)
+                kind = event["type"]
+                asked = state["asked"]
+                if asked is None:
+                    continue
+                if kind == "response.text.delta" and not state["text"]:
+                    state["text"] = True
+                    if state["round"] > 1:  # a session's first question warms it up
+                        results["first_text"].append(time.perf_counter() - asked)
+                elif kind == "response.audio.delta" and not state["audio"]:
+                    state["audio"] = True
+                    if state["round"] > 1:
+                        results["first_audio"].append(time.perf_counter() - asked)
+                elif kind == "response.audio.done":
+                    results["status_" + event["status"]].append(0.0)
+                    state["open"] = False
+                elif kind == "error":
+                    results["errors"].append(0.0)
+
+        read = asyncio.create_task(reader())
+        i = 0
+        next_query = loop.time() + args.query_every * np.random.default_rng(hash(url) & 0xFFFF).random()
+        try:
+            while loop.time() < end:
+                await ws.send(json.dumps({"type": "video.frame", "data": frames[i % len(frames)]}))
+                i += 1
+                if loop.time() >= next_query and not state["open"]:
+                    state.update(asked=time.perf_counter(), text=False, audio=False, open=True)
+                    state["round"] += 1
+                    await ws.send(json.dumps({"type": "video.query", "text": "What is moving in the picture?"}))
+                    next_query = loop.time() + args.query_every
+                await asyncio.sleep(1.0 / args.fps)  # the camera's frame rate (a client pacing, not synchronisation)
+        finally:
+            read.cancel()
+
+
+async def level(url: str, sessions: int, frames: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    from collections import defaultdict
+
+    results: dict[str, list[float]] = defaultdict(list)
+    await asyncio.gather(*(one_session(url, frames, args, results) for _ in range(sessions)))
+    return {
+        "sessions": sessions,
+        "first_text_delta": summary(results["first_text"]),
+        "first_audio_byte": summary(results["first_audio"]),
+        "completed": len(results["status_completed"]),
+        "cancelled": len(results["status_cancelled"]),
+        "failed": len(results["status_error"]),
+        "errors": len(results["errors"]),
+    }
+
+
+def encoder_cost(engine: Any, frames: int) -> dict[str, float]:
+    """ms per frame of the vision tokens: every frame new, then the same frames again from the encoder cache."""
+    from omnigate.engines.omni.request import EncoderCache, FrameInput
+
+    model = engine.model
+    rng = np.random.default_rng(0)
+    inputs = [
+        FrameInput(bytes([i % 256, i // 256]), rng.integers(0, 255, (model.frame_size, model.frame_size, 3), np.uint8))
+        for i in range(frames)
+    ]
+    cache = EncoderCache(capacity=frames)
+    request = type("R", (), {"frames": tuple(inputs), "cache": cache})()
+    engine._frame_tokens(request)  # warm-up (kernels, allocator)
+    cache = EncoderCache(capacity=frames)
+    request.cache = cache
+    sync = _sync(model)
+    started = time.perf_counter()
+    engine._frame_tokens(request)
+    sync()
+    fresh = (time.perf_counter() - started) / frames
+    started = time.perf_counter()
+    engine._frame_tokens(request)
+    sync()
+    reused = (time.perf_counter() - started) / frames
+    return {
+        "frames": frames,
+        "tokens_per_frame": model.tokens_per_frame,
+        "frame_size": model.frame_size,
+        "new_frame_ms": round(fresh * 1000, 3),
+        "unchanged_frame_ms": round(reused * 1000, 4),
+    }
+
+
+def _sync(model: Any) -> Any:
+    import torch
+
+    if model.device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny presets on the CPU (a smoke run)")
+    parser.add_argument("--levels", default="1,16,64", help="session counts, comma-separated")
+    parser.add_argument("--fps", type=float, default=2.0)
+    parser.add_argument("--query-every", type=float, default=6.0, help="seconds between a session's questions")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds per level")
+    parser.add_argument("--num-frames", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--encoder-frames", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "video_chat_gpu.json")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    top = max(levels)
+    if args.tiny:
+        settings = Settings(engine="synthetic", omni_model="preset:tiny", omni_options={"max_sessions": str(top)})
+    else:
+        settings = Settings(
+            engine="talker",
+            model="preset:csm-1b",
+            engine_options={"device": "cuda", "dtype": "bfloat16", "max_sessions": str(top), "max_batch": str(top)},
+            omni_model="preset:qwen2.5-omni-3b",
+            omni_options={"device": "cuda", "dtype": "bfloat16", "max_sessions": str(top)},
+            max_sessions=2 * top,
+            idle_timeout_s=120.0,
+        )
+    frames = camera_frames(24)
+    report: dict[str, Any] = {
+        "omni_model": settings.omni_model,
+        "speech_engine": f"{settings.engine} {settings.model or ''}".strip(),
+        "fps": args.fps,
+        "query_every_s": args.query_every,
+        "duration_s_per_level": args.duration,
+        "num_frames": args.num_frames,
+        "max_new_tokens": args.max_new_tokens,
+        "levels": [],
+    }
+    if hasattr(os, "getloadavg"):
+        report["load_before"] = os.getloadavg()
+    with serve(settings) as server:
+        engine = server.app.state.omni_engine
+        report["tokens_per_frame"] = engine.info.tokens_per_frame
+        for sessions in levels:
+            result = asyncio.run(level(server.ws_url, sessions, frames, args))
+            result["omni_steps"] = engine.steps
+            print(json.dumps(result), flush=True)
+            report["levels"].append(result)
+        report["encoder"] = encoder_cost(engine, args.encoder_frames)
+        print(json.dumps(report["encoder"]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

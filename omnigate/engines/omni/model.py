@@ -1,0 +1,258 @@
+"""Loading the omni thinker: Qwen2.5-Omni's thinker (vision encoder, audio encoder, language model) from transformers.
+
+``--omni-model preset:NAME`` builds a published shape with random weights (``tiny`` for CPU tests,
+``qwen2.5-omni-3b`` for GPU measurements); a directory is a local checkpoint: a whole Qwen2.5-Omni checkpoint (its
+thinker is kept, the talker and vocoder are not loaded) or a thinker-only one, with its tokenizer.
+
+:class:`OmniModel` holds the modules and does the tensor work the engine schedules: one frame (an image, repeated
+to the vision encoder's temporal patch) to its vision tokens, 16 kHz audio to audio tokens, token ids to embeddings,
+and one forward of the language model over a session's own cache. Positions are sequential for every token (the
+three rotary sections get the same index), so vision tokens cached per frame stay valid wherever they are placed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer, WhisperFeatureExtractor
+from transformers.cache_utils import DynamicCache
+from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniForConditionalGeneration,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+)
+
+from omnigate.engines.omni.tokenizer import HfTokenizer, PrintableTokenizer, ThinkerTokenizer
+
+log = logging.getLogger(__name__)
+
+PRESET_PREFIX = "preset:"
+AUDIO_RATE = 16_000
+# CLIP's normalisation, which Qwen's vision encoders were trained with.
+_MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(3, 1, 1)
+_STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(3, 1, 1)
+
+
+class OmniModelError(ValueError):
+    """An ``--omni-model`` value that names no checkpoint directory or preset."""
+
+
+@dataclass(frozen=True)
+class OmniPreset:
+    config: Callable[[], Qwen2_5OmniThinkerConfig]
+    frame_size: int  # frames are resized to a square of this many pixels (a multiple of 28)
+
+
+def _tiny_config() -> Qwen2_5OmniThinkerConfig:
+    return Qwen2_5OmniThinkerConfig(
+        audio_config={
+            "d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 128,
+            "output_dim": 64, "num_mel_bins": 128, "n_window": 100, "max_source_positions": 1500,
+        },
+        vision_config={
+            "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 64,
+            "fullatt_block_indexes": [1], "window_size": 112,
+        },
+        text_config={
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        },
+    )  # fmt: skip
+
+
+def _qwen25_omni_3b_config() -> Qwen2_5OmniThinkerConfig:
+    """The published shape of Qwen2.5-Omni-3B's thinker (its config.json's ``thinker_config``)."""
+    return Qwen2_5OmniThinkerConfig(
+        audio_config={
+            "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+            "output_dim": 2048, "num_mel_bins": 128, "n_window": 100, "max_source_positions": 1500,
+        },
+        vision_config={
+            "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 2048,
+            "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
+        },
+        text_config={
+            "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        },
+    )  # fmt: skip
+
+
+PRESETS: dict[str, OmniPreset] = {
+    "tiny": OmniPreset(_tiny_config, frame_size=56),
+    "qwen2.5-omni-3b": OmniPreset(_qwen25_omni_3b_config, frame_size=336),
+}
+
+
+class OmniModel:
+    """A loaded thinker and its tokenizer; every method runs on the engine's worker thread."""
+
+    def __init__(
+        self,
+        thinker: Any,
+        tokenizer: ThinkerTokenizer,
+        *,
+        name: str,
+        frame_size: int,
+        random_weights: bool,
+        vocab_limit: int | None = None,
+    ) -> None:
+        self.thinker = thinker
+        self.tokenizer = tokenizer
+        self.name = name
+        self.frame_size = frame_size
+        self.random_weights = random_weights
+        self.vocab_limit = vocab_limit
+        vision = thinker.config.vision_config
+        self.patch = int(vision.patch_size)
+        self.merge = int(vision.spatial_merge_size)
+        self.temporal_patch = int(vision.temporal_patch_size)
+        self.device = next(thinker.parameters()).device
+        self.dtype = next(thinker.parameters()).dtype
+        mel_bins = int(thinker.config.audio_config.num_mel_bins)
+        self._features = WhisperFeatureExtractor(feature_size=mel_bins)  # type: ignore[no-untyped-call]
+        self._embed = thinker.get_input_embeddings()
+
+    @property
+    def tokens_per_frame(self) -> int:
+        side = self.frame_size // self.patch // self.merge
+        return side * side
+
+    def _patches(self, frame: np.ndarray) -> torch.Tensor:
+        """One HxWx3 uint8 frame (already ``frame_size`` square) as the vision encoder's flattened patches."""
+        image = torch.from_numpy(frame.copy()).to(torch.float32).permute(2, 0, 1) / 255.0
+        image = (image - _MEAN) / _STD
+        grid = self.frame_size // self.patch
+        m, p, t = self.merge, self.patch, self.temporal_patch
+        x = image[None].repeat(t, 1, 1, 1)
+        x = x.reshape(1, t, 3, grid // m, m, p, grid // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return x.reshape(grid * grid, 3 * t * p * p)
+
+    @torch.inference_mode()
+    def encode_frames(self, frames: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Vision tokens of each frame (``tokens_per_frame`` rows each), in one encoder call."""
+        if not frames:
+            return []
+        grid = self.frame_size // self.patch
+        pixels = torch.cat([self._patches(f) for f in frames]).to(self.device, self.dtype)
+        grid_thw = torch.tensor([[1, grid, grid]] * len(frames), device=self.device)
+        out = self.thinker.get_image_features(pixels, grid_thw)
+        return [t.detach() for t in out.pooler_output]
+
+    @torch.inference_mode()
+    def encode_audio(self, pcm16: bytes) -> torch.Tensor:
+        """Audio tokens (25 per second) of mono s16le 16 kHz audio, at most 30 s of it (the encoder's window)."""
+        samples = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        samples = samples[: 30 * AUDIO_RATE]
+        feats = self._features(samples, sampling_rate=AUDIO_RATE, return_tensors="pt", return_attention_mask=True)
+        out = self.thinker.get_audio_features(
+            feats["input_features"].to(self.device, self.dtype),
+            feature_attention_mask=feats["attention_mask"].to(self.device),
+        )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden.detach()
+
+    @torch.inference_mode()
+    def embed(self, ids: Sequence[int]) -> torch.Tensor:
+        result: torch.Tensor = self._embed(torch.tensor([list(ids)], device=self.device))[0]
+        return result
+
+    def new_cache(self) -> Any:
+        return DynamicCache(config=self.thinker.config.text_config)
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Run ``embeds`` ([L, hidden]) after what ``cache`` holds; the next-token logits (float32)."""
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + embeds.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        out = self.thinker.model(
+            inputs_embeds=embeds[None].to(self.dtype), position_ids=positions, cache=cache, use_cache=True
+        )
+        logits: torch.Tensor = self.thinker.lm_head(out.last_hidden_state[0, -1]).float()
+        if self.vocab_limit is not None:
+            logits = logits[: self.vocab_limit]
+        return logits
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise OmniModelError(f"dtype {name!r}: choose float32, bfloat16 or float16") from None
+
+
+def build_preset(name: str, *, seed: int = 0, device: str = "cpu", dtype: str = "float32") -> OmniModel:
+    """Preset ``name`` with weights drawn from ``seed`` on ``device`` and the printable tokenizer."""
+    try:
+        preset = PRESETS[name]
+    except KeyError:
+        raise OmniModelError(f"unknown omni preset {name!r}; choose one of {', '.join(sorted(PRESETS))}") from None
+    target = torch.device(device)
+    with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []), target:
+        torch.manual_seed(seed)
+        thinker: Any = Qwen2_5OmniThinkerForConditionalGeneration(preset.config())
+    thinker = thinker.to(_dtype(dtype)).eval()
+    tokenizer = PrintableTokenizer(int(thinker.config.text_config.vocab_size))
+    log.warning("omni preset %r has random weights: its answers are random characters", name)
+    return OmniModel(
+        thinker,
+        tokenizer,
+        name=f"{PRESET_PREFIX}{name}",
+        frame_size=preset.frame_size,
+        random_weights=True,
+        vocab_limit=len(tokenizer.eos_ids) + max(tokenizer.eos_ids),
+    )
+
+
+def load_checkpoint(path: Path, *, device: str = "cpu", dtype: str = "bfloat16", frame_size: int = 336) -> OmniModel:
+    """A local Qwen2.5-Omni checkpoint (whole model or thinker only); only local files are read."""
+    if not (path / "config.json").is_file():
+        raise OmniModelError(f"{path} is not a checkpoint directory (no config.json)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    torch_dtype = _dtype(dtype)
+    thinker: Any
+    if config.model_type == "qwen2_5_omni":
+        whole: Any = Qwen2_5OmniForConditionalGeneration.from_pretrained(  # type: ignore[no-untyped-call]
+            path, local_files_only=True, dtype=torch_dtype, enable_audio_output=False
+        )
+        thinker = whole.thinker
+    elif config.model_type == "qwen2_5_omni_thinker":
+        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+            path, local_files_only=True, dtype=torch_dtype
+        )
+    else:
+        raise OmniModelError(f"{path}: model_type {config.model_type!r} is not a Qwen2.5-Omni checkpoint")
+    thinker = thinker.to(device).eval()
+    tokenizer: ThinkerTokenizer
+    if (path / "tokenizer_config.json").is_file():
+        tokenizer = HfTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+        limit = None
+    else:  # a checkpoint saved without a tokenizer (a test's tiny model): printable ids
+        tokenizer = PrintableTokenizer(int(thinker.config.text_config.vocab_size))
+        limit = len(tokenizer.eos_ids) + max(tokenizer.eos_ids)
+    return OmniModel(thinker, tokenizer, name=str(path), frame_size=frame_size, random_weights=False, vocab_limit=limit)
+
+
+def load_omni_model(
+    spec: str, *, seed: int = 0, device: str = "cpu", dtype: str | None = None, frame_size: int | None = None
+) -> OmniModel:
+    """Resolve ``--omni-model``: ``preset:NAME`` or a checkpoint directory (frames resized to ``frame_size``)."""
+    if frame_size is not None and (frame_size <= 0 or frame_size % 28):
+        raise OmniModelError(f"frame_size {frame_size} must be a positive multiple of 28")
+    if spec.startswith(PRESET_PREFIX):
+        model = build_preset(spec[len(PRESET_PREFIX) :], seed=seed, device=device, dtype=dtype or "float32")
+        if frame_size is not None:
+            model.frame_size = frame_size
+        return model
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise OmniModelError(f"omni model {spec!r} is neither preset:NAME nor a directory")
+    return load_checkpoint(path, device=device, dtype=dtype or "bfloat16", frame_size=frame_size or 336)

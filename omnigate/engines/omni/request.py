@@ -1,0 +1,94 @@
+"""What crosses between a video-chat session and the omni engine: queries in, text out (no torch at import).
+
+A query carries the frames sampled for it (decoded pixels and a digest of each), the question's audio, and the
+prompt text around them; the answer comes back as :class:`TextDelta` pieces and one final :class:`ThinkDone`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+ThinkStop = Literal["completed", "max_tokens", "cancelled", "error"]
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag="text.delta"):
+    text: str
+
+
+class ThinkDone(msgspec.Struct, frozen=True, tag="think.done"):
+    """The last output of a query."""
+
+    reason: ThinkStop
+    text: str
+    tokens: int
+    error: str | None = None
+
+
+ThinkOutput = TextDelta | ThinkDone
+ThinkSink = Callable[[list[ThinkOutput]], None]
+
+
+class OmniInfo(msgspec.Struct, frozen=True):
+    model: str
+    max_sessions: int
+    frame_size: int
+    tokens_per_frame: int
+    random_weights: bool
+
+
+@dataclass(frozen=True)
+class FrameInput:
+    """One sampled frame: RGB pixels at the model's frame size and a digest of them (the encoder cache's key)."""
+
+    digest: bytes
+    pixels: Any  # numpy uint8 [frame_size, frame_size, 3]
+
+
+class EncoderCache:
+    """Vision tokens of a session's recent frames by digest, the least recently used forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        tokens = self._entries.get(digest)
+        if tokens is not None:
+            self._entries.move_to_end(digest)
+            self.hits += 1
+        else:
+            self.misses += 1
+        return tokens
+
+    def put(self, digest: bytes, tokens: torch.Tensor) -> None:
+        self._entries[digest] = tokens
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(frozen=True)
+class ThinkRequest:
+    """Everything one answer needs. ``context`` is the prompt text before the user's turn (system and history)."""
+
+    context: str
+    question: str
+    frames: tuple[FrameInput, ...] = ()
+    audio: bytes = b""  # the question's audio, mono s16le 16 kHz
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    seed: int = 0
+    cache: EncoderCache | None = None

@@ -1,0 +1,1 @@
+"""Live video chat: ``WS /v1/video/chat/stream`` and ``POST /v1/video/chat/calls`` over one session core."""

@@ -1,0 +1,246 @@
+"""Runs one video-chat session on the event loop: its state machine, its thinker queries and its speech stream.
+
+Transports (the WebSocket route, a WebRTC call) feed client inputs in and take :class:`ChatEvent` values out with
+:meth:`VideoChatRunner.next_event`; :class:`Closed` is the last. The answer's speech is an ordinary speech session
+(:class:`~omnigate.sessions.driver.SessionDriver`) on the gateway's engine pool: the thinker's text goes in through
+the pool contract's ``push_text`` as the segmenter releases sentences, so the first audio starts at the answer's
+first sentence and the talker batches these streams with every other speech session.
+
+A pump moves the speech stream's events into the session's queue one at a time and takes the next only once the
+transport has taken the audio before it, so the engine's credit still follows what the client actually reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import av
+import msgspec
+
+from omnigate.engines.base import EngineError
+from omnigate.engines.omni.request import EncoderCache, ThinkOutput, ThinkRequest
+from omnigate.engines.pool_api import EnginePoolAPI
+from omnigate.gateway.video_chat.frames import FrameDecoder
+from omnigate.sessions.driver import SessionDriver
+from omnigate.sessions.messages import AppendText, Cancel, Configure, Flush, SessionClosed, SessionConfig
+from omnigate.sessions.speech import SessionLimits
+from omnigate.sessions.video_chat import (
+    Action,
+    CancelSpeech,
+    CancelThink,
+    ChatError,
+    ChatEvent,
+    CloseSession,
+    DecodedFrame,
+    Emit,
+    FinishSpeech,
+    Pong,
+    ResponseAudioDelta,
+    SpeakText,
+    StartThink,
+    VideoChatConfig,
+    VideoChatLimits,
+    VideoChatSession,
+)
+
+if TYPE_CHECKING:
+    from omnigate.engines.omni.engine import OmniEngine, ThinkJob
+
+log = logging.getLogger(__name__)
+
+# Events queued for the transport beyond the speech stream's own (bounded) outbox: text deltas and control events.
+MAX_QUEUED_EVENTS = 4096
+
+
+class Closed(msgspec.Struct, frozen=True):
+    """The session ended; the transport closes with ``reason``."""
+
+    reason: str
+
+
+class VideoChatRunner:
+    """One session: call the input methods from the transport's reader, await :meth:`next_event` in its writer."""
+
+    def __init__(
+        self,
+        engine: OmniEngine,
+        pool: EnginePoolAPI[Any],
+        speech_limits: SessionLimits,
+        limits: VideoChatLimits,
+        *,
+        seed: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.session = VideoChatSession(engine.model.tokenizer, limits)
+        # The video-chat session keeps its own idle rule (frames keep it alive); the speech stream never idles out.
+        limits_no_idle = msgspec.structs.replace(speech_limits, idle_timeout_ms=speech_limits.max_session_ms)
+        self.driver = SessionDriver(pool, limits_no_idle)
+        self.driver.submit(Configure(SessionConfig()))
+        self.encoder_cache = EncoderCache(capacity=2 * limits.max_decoding_frames + 256)
+        self._seed = seed
+        self._job: ThinkJob | None = None
+        self._job_query: int | None = None
+        self._events: deque[ChatEvent | Closed] = deque()
+        self._ready = asyncio.Event()
+        self._audio_taken = asyncio.Event()
+        self._audio_taken.set()
+        self._closed = False
+        self.decoder = FrameDecoder(
+            engine.info.frame_size,
+            self._on_frame,
+            self._on_frame_error,
+            capacity=limits.max_decoding_frames,
+        )
+        self._pump = asyncio.create_task(self._pump_speech(), name="video-chat-speech")
+
+    # ---- client inputs ----------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> VideoChatConfig:
+        return self.session.config or VideoChatConfig()
+
+    @property
+    def answering(self) -> bool:
+        return self.session.answering
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def configure(self, config: VideoChatConfig) -> None:
+        voice_changed = self.session.config is None or config.voice != self.config.voice
+        self._apply(self.session.configure(config))
+        if voice_changed and self.session.config is config and not self.session.answering:
+            self.driver.submit(Configure(SessionConfig(voice=config.voice)))
+
+    def frame(self, data: bytes | av.VideoFrame) -> None:
+        admitted, actions = self.session.frame_arrived()
+        self._apply(actions)
+        if admitted:
+            self.decoder.put(data)
+
+    def audio(self, pcm: bytes) -> None:
+        self._apply(self.session.on_audio(pcm))
+
+    def query(self, text: str, audio: bytes | None = None) -> None:
+        self._apply(self.session.query(text, audio))
+
+    def done(self) -> None:
+        self._apply(self.session.done())
+
+    def error(self, code: str, message: str, param: str | None = None) -> None:
+        """A bad client message: reported, the session goes on."""
+        self._push(ChatError(code, message, param))
+
+    def pong(self) -> None:
+        self._push(Pong())
+
+    def fail(self, code: str, message: str) -> None:
+        self._apply(self.session.fail(code, message))
+
+    def abort(self, reason: str) -> None:
+        self._apply(self.session.abort(reason))
+
+    # ---- transport output -------------------------------------------------------------------------------------
+
+    async def next_event(self) -> ChatEvent | Closed:
+        while not self._events:
+            self._ready.clear()
+            await self._ready.wait()
+        event = self._events.popleft()
+        if isinstance(event, ResponseAudioDelta) and not any(isinstance(e, ResponseAudioDelta) for e in self._events):
+            self._audio_taken.set()
+        return event
+
+    async def close(self) -> None:
+        """Release everything: engine work, the speech stream, the decoder and the pump. Idempotent."""
+        if not self._closed:
+            self.abort("released")
+        self._pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._pump
+        await self.decoder.close()
+        self.driver.release()
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _push(self, event: ChatEvent | Closed) -> None:
+        if self._closed:
+            return
+        if len(self._events) >= MAX_QUEUED_EVENTS and not isinstance(event, Closed):
+            self._apply(self.session.fail("backlog", "too many unread events; the client is not reading"))
+            return
+        if isinstance(event, ResponseAudioDelta):
+            self._audio_taken.clear()
+        self._events.append(event)
+        self._ready.set()
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Emit):
+                self._push(action.event)
+            elif isinstance(action, StartThink):
+                self._start(action)
+            elif isinstance(action, CancelThink):
+                if self._job is not None and self._job_query == action.query:
+                    self._job.cancel()
+                    self._job = None
+            elif isinstance(action, SpeakText):
+                self.driver.submit(AppendText(action.text))
+            elif isinstance(action, FinishSpeech):
+                self.driver.submit(Flush())
+            elif isinstance(action, CancelSpeech):
+                self.driver.submit(Cancel())
+            elif isinstance(action, CloseSession):
+                if self._job is not None:
+                    self._job.cancel()
+                    self._job = None
+                self._events.append(Closed(action.reason))
+                self._ready.set()
+                self._closed = True
+                self.driver.abort(action.reason)
+
+    def _start(self, action: StartThink) -> None:
+        query = action.query
+        request = ThinkRequest(
+            context=action.context,
+            question=action.question,
+            frames=action.frames,
+            audio=action.audio,
+            max_new_tokens=action.max_new_tokens,
+            temperature=action.temperature,
+            seed=self._seed + query,
+            cache=self.encoder_cache,
+        )
+
+        def sink(outputs: list[ThinkOutput]) -> None:
+            self._on_think(query, outputs)
+
+        try:
+            self._job = self.engine.submit(request, sink)
+            self._job_query = query
+        except EngineError as exc:
+            self._apply(self.session.on_think_refused(query, exc.code, exc.message))
+
+    def _on_think(self, query: int, outputs: list[ThinkOutput]) -> None:
+        if self._closed:
+            return
+        self._apply(self.session.on_think(query, outputs))
+
+    def _on_frame(self, frame: DecodedFrame) -> None:
+        self._apply(self.session.on_frame(frame))
+
+    def _on_frame_error(self, message: str) -> None:
+        self._apply(self.session.on_frame_failed(message))
+
+    async def _pump_speech(self) -> None:
+        while True:
+            event = await self.driver.next_event()
+            self._apply(self.session.on_speech(event))
+            if isinstance(event, SessionClosed):
+                return
+            await self._audio_taken.wait()

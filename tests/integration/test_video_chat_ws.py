@@ -1,0 +1,189 @@
+"""``WS /v1/video/chat/stream`` against the real server: the tiny random-weight omni preset on the CPU answering in
+text, the synthetic speech engine speaking the answer, a websockets client sending JPEG frames and PCM audio.
+
+Order is asserted from the events' own sequence, never from elapsed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import wave
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from websockets.asyncio.client import ClientConnection, connect
+
+from omnigate.engines.omni.engine import OmniEngine
+from omnigate.gateway.settings import Settings
+from tests.serving import RunningServer, serve
+
+pytestmark = pytest.mark.integration
+
+ROUTE = "/v1/video/chat/stream"
+
+
+@pytest.fixture(scope="module")
+def chat_server() -> Iterator[RunningServer]:
+    settings = Settings(engine="synthetic", omni_model="preset:tiny", ws_max_message_bytes=2 * 1024 * 1024)
+    with serve(settings) as server:
+        yield server
+
+
+def omni(server: RunningServer) -> OmniEngine:
+    engine: OmniEngine = server.app.state.omni_engine
+    return engine
+
+
+def jpeg(seed: int, size: tuple[int, int] = (160, 120)) -> str:
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+async def send(ws: ClientConnection, event_type: str, **fields: Any) -> None:
+    await ws.send(json.dumps({"type": event_type, **fields}))
+
+
+async def receive(ws: ClientConnection) -> dict[str, Any]:
+    message = await asyncio.wait_for(ws.recv(), 60)
+    assert isinstance(message, str)
+    event: dict[str, Any] = json.loads(message)
+    return event
+
+
+async def until_terminal(
+    ws: ClientConnection, query_id: int, terminal: str = "response.audio.done"
+) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    while True:
+        event = await receive(ws)
+        events.append(event)
+        if event["type"] == terminal and event.get("query_id") == query_id:
+            return events
+
+
+async def test_a_question_about_frames_is_answered_in_text_then_speech(chat_server: RunningServer) -> None:
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", num_frames=2, max_frames=8, max_new_tokens=48)
+        for i in range(3):
+            await send(ws, "video.frame", data=jpeg(i))
+        await send(ws, "video.query", text="What is on the table?")
+        events = await until_terminal(ws, 0)
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "response.start" and events[0]["frames"] == 2
+        assert kinds.count("response.text.done") == 1 and kinds[-1] == "response.audio.done"
+        text_done = kinds.index("response.text.done")
+        assert all(k == "response.text.delta" for k in kinds[1:text_done]) and text_done > 1
+        done = events[text_done]
+        assert done["text"] == "".join(e["delta"] for e in events[1:text_done])
+        audio = [e for e in events if e["type"] == "response.audio.delta"]
+        assert audio, "the answer was not spoken"
+        for delta in audio:
+            assert delta["format"] == "wav"
+            with wave.open(io.BytesIO(base64.b64decode(delta["data"]))) as wav:
+                assert wav.getframerate() == delta["sample_rate"] and wav.getnframes() > 0
+        assert events[-1]["status"] == "completed"
+        await send(ws, "video.done")
+        assert await receive(ws) == {"type": "session.done", "reason": "client_done"}
+
+
+async def test_pcm_audio_and_a_spoken_question(chat_server: RunningServer) -> None:
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", audio_format="pcm", max_new_tokens=24, use_audio_in_video=True)
+        await send(ws, "video.frame", data=jpeg(5))
+        tone = (np.sin(np.arange(16000) * 0.05) * 8000).astype("<i2").tobytes()
+        await send(ws, "audio.chunk", data=base64.b64encode(tone).decode())
+        await send(ws, "video.query", text="")
+        events = await until_terminal(ws, 0)
+        audio = [e for e in events if e["type"] == "response.audio.delta"]
+        assert audio and all(e["format"] == "pcm" for e in audio)
+        assert sum(len(base64.b64decode(e["data"])) for e in audio) % 2 == 0
+
+
+async def test_a_new_query_cancels_the_answer_in_flight(chat_server: RunningServer) -> None:
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", max_new_tokens=1024, modalities=["text", "audio"])
+        await send(ws, "video.query", text="Tell me a long story.")
+        first = await receive(ws)
+        assert first["type"] == "response.start"
+        assert (await receive(ws))["type"] == "response.text.delta"
+        await send(ws, "session.config", max_new_tokens=16)
+        await send(ws, "video.query", text="Stop. What now?")
+        events = await until_terminal(ws, 1)
+        of_first = [e for e in events if e.get("query_id") == 0]
+        terminals = [e for e in of_first if e["type"] == "response.audio.done"]
+        assert len(terminals) == 1 and terminals[0]["status"] == "cancelled"
+        assert of_first.index(terminals[0]) == len(of_first) - 1, "query 0 produced events after its terminal"
+        text_done = [e for e in of_first if e["type"] == "response.text.done"]
+        assert len(text_done) == 1 and text_done[0]["status"] == "cancelled"
+        assert events[-1]["status"] == "completed"
+
+
+async def test_unchanged_frames_reuse_their_vision_tokens(chat_server: RunningServer) -> None:
+    engine = omni(chat_server)
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", num_frames=2, enable_frame_filter=False, modalities=["text"], max_new_tokens=4)
+        await send(ws, "video.frame", data=jpeg(11))
+        await send(ws, "video.frame", data=jpeg(12))
+        before = chat_server.call(lambda: (engine.frames_encoded_total, engine.frames_reused_total))
+        await send(ws, "video.query", text="first")
+        await until_terminal(ws, 0, "response.text.done")
+        await send(ws, "video.query", text="second, same frames")
+        await until_terminal(ws, 1, "response.text.done")
+        after = chat_server.call(lambda: (engine.frames_encoded_total, engine.frames_reused_total))
+    assert isinstance(before, tuple) and isinstance(after, tuple)
+    assert after[0] - before[0] == 2  # each frame encoded once
+    assert after[1] - before[1] == 2  # and reused by the second query
+
+
+async def test_inputs_beyond_their_bounds_and_bad_inputs_are_refused_typed(chat_server: RunningServer) -> None:
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        chunk = base64.b64encode(b"\x00\x00" * 750_000).decode()  # 1.5 MB: the third exceeds the 4 MiB buffer
+        for _ in range(3):
+            await send(ws, "audio.chunk", data=chunk)
+        error = await receive(ws)
+        assert error["type"] == "error" and error["code"] == "input_backpressure" and error["param"] == "audio.chunk"
+        await send(ws, "video.frame", data="not base64!")
+        assert (await receive(ws))["code"] == "invalid_base64"
+        await send(ws, "video.frame", data=base64.b64encode(b"GIF89a not a picture").decode())
+        assert (await receive(ws))["code"] == "invalid_frame"
+        await send(ws, "video.teleport")
+        assert (await receive(ws))["code"] == "unknown_event"
+        await send(ws, "session.config", num_frames=500)
+        error = await receive(ws)
+        assert error["code"] == "invalid_config" and error["param"] == "num_frames"
+        await send(ws, "ping")
+        assert await receive(ws) == {"type": "pong"}
+
+
+async def test_a_gateway_without_an_omni_model_refuses_typed() -> None:
+    with serve(Settings(engine="synthetic")) as server:
+        async with connect(server.ws_url + ROUTE) as ws:
+            error = await receive(ws)
+            assert error["code"] == "video_chat_unavailable"
+            await ws.wait_closed()
+            assert ws.close_code == 4404
+
+
+async def test_the_load_test_target_records_each_spoken_answer(chat_server: RunningServer) -> None:
+    from omnigate.loadtest.report import TargetSpec
+    from omnigate.loadtest.targets import SessionSettings, target_class
+    from omnigate.loadtest.traces import SessionTrace
+
+    spec = TargetSpec(label="video-chat", target="video-chat", url=chat_server.http_url)
+    target = target_class("video-chat")(spec, SessionSettings(video_fps=10.0, query_every_s=0.0))
+    await target.open()
+    trace = SessionTrace(0, 0.0)
+    await target.run_session(["What is moving?", "And now?"], trace)
+    await target.close()
+    assert not trace.errors, trace.error_details
+    assert [u.status for u in trace.utterances] == ["completed", "completed"]
+    assert all(u.bytes > 0 and u.ttfa_ms is not None for u in trace.utterances)
