@@ -94,6 +94,8 @@ class PoolStream:
     aborted: bool = False
     finished: bool = False
     closed: bool = False
+    # the stream no longer counts for admission (it ended, or was aborted while its last step still runs)
+    released: bool = False
     # failed by the supervisor while the engine still held it: whatever that step returns is dropped
     faulted: bool = False
     stats: dict[str, float] = field(default_factory=dict)
@@ -285,6 +287,10 @@ class EnginePool:
             self.aborted_total += 1
             if not ps.busy:
                 self._close_locked(ps)
+            else:
+                # Its last step only finishes: the work is over for admission, so a client that hangs up and asks
+                # again is not refused for the rest of a step it no longer wants.
+                self._release_locked(ps)
 
     # ---- scheduler side ----------------------------------------------------------------------------------------
 
@@ -293,15 +299,21 @@ class EnginePool:
             return
         ps.closed = True
         if self._streams.pop(ps.id, None) is not None:
-            # An aborted stream frees its share at once (its client left or cancelled); a completed one keeps it
-            # for its session's next utterance.
-            completed = ps.finished and not ps.faulted and not ps.aborted
-            self.admission.closed(time.monotonic(), keep_share=completed)
+            self._release_locked(ps)
         try:
             self.engine.close(ps.stream)
         except Exception:
             log.exception("engine close failed")
         self._cond.notify_all()
+
+    def _release_locked(self, ps: PoolStream) -> None:
+        if ps.released:
+            return
+        ps.released = True
+        # An aborted stream frees its share at once (its client left or cancelled); a completed one keeps it for its
+        # session's next utterance.
+        completed = ps.finished and not ps.faulted and not ps.aborted
+        self.admission.closed(time.monotonic(), keep_share=completed)
 
     def _pick_locked(self) -> list[PoolStream]:
         return self._runnable_locked()[: self.info.max_batch]
@@ -446,7 +458,9 @@ class EnginePool:
                 self.consecutive_failures = 0
             step_audio_ms = 0.0
             for ps, out, needed_at in zip(batch, outputs, due, strict=True):
-                if not failed and any(isinstance(item, AudioChunk) for item in out):
+                if not failed and ps.first_chunk_at is not None and any(isinstance(item, AudioChunk) for item in out):
+                    # Too late for a listener already playing; a slow first chunk underruns nobody (the cost estimate
+                    # accounts for it), and counting it would refuse the next client of a lone slow first unit.
                     self.admission.observe_late(now, now - needed_at)
                 ps.busy = False
                 ps.waiting_since = now

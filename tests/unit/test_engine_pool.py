@@ -214,3 +214,37 @@ async def test_failing_step_fails_only_its_batch(error: Exception, message: str)
         _, later = submit(pool, ["later"])
         assert await later.finished() == StreamDone(reason="completed")
         assert pool.active == 0
+
+
+async def test_a_stream_aborted_mid_step_stops_counting_for_headroom_at_once() -> None:
+    engine = GatedEngine(SyntheticConfig(max_sessions=4))
+    pool = EnginePool(engine, admission=AdmissionSettings(policy="headroom"))
+    pool.start()
+    try:
+        ps, _ = submit(pool, ["abcdef"])
+        assert await asyncio.to_thread(engine.entered.wait, TIMEOUT_S)
+        assert pool.admission.active == 1
+        pool.abort(ps)  # its step still runs: the client that left is not what holds admission now
+        assert pool.admission.active == 0
+        engine.release.set()
+        _, probe = submit(pool, ["probe"])
+        assert await probe.finished() == StreamDone(reason="completed")
+        assert pool.admission.active == 0 and pool.active == 0
+    finally:
+        await asyncio.to_thread(pool.stop)
+
+
+async def test_a_slow_first_chunk_alone_does_not_close_admission() -> None:
+    # The first chunk comes 400 ms after opening, past the 250 ms TTFA target: nobody was listening yet, so the next
+    # client is still admitted beside it.
+    engine = SyntheticEngine.from_spec("first_chunk_delay_ms=400,max_sessions=4")
+    pool = EnginePool(engine, ttfa_target_s=0.25, admission=AdmissionSettings(policy="headroom"))
+    pool.start()
+    try:
+        _, first = submit(pool, ["abcdef"])
+        assert await first.finished() == StreamDone(reason="completed")
+        assert pool.admission.late_total == 0
+        _, second = submit(pool, ["abcdef"])
+        assert await second.finished() == StreamDone(reason="completed")
+    finally:
+        await asyncio.to_thread(pool.stop)
