@@ -556,7 +556,7 @@ def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Itera
         launcher = [
             "-c",
             f"import sys; sys.setswitchinterval({args.switch_interval_ms / 1000!r}); "
-            "from omnigate.gateway.cli import main; sys.exit(main())",
+            "from omnigate.gateway.cli.serve import main; sys.exit(main())",
         ]
     command = [
         sys.executable,
