@@ -34,11 +34,11 @@ import torch
 from omnigate.engines.duplex.engine import DuplexEngine
 from omnigate.engines.duplex.session import DuplexFrame, DuplexSession
 from omnigate.loadtest.report import TargetSpec
+from omnigate.loadtest.server_process import server_process
 from omnigate.loadtest.stats import distribution
 from omnigate.loadtest.targets.base import SessionSettings
 from omnigate.loadtest.targets.realtime import RealtimeTarget
 from omnigate.loadtest.traces import SessionTrace
-from omnigate.reliability.server_process import server_process
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

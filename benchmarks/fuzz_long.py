@@ -23,8 +23,8 @@ import msgspec
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from omnigate.reliability.footprint import settled_footprint
-from omnigate.reliability.server_process import server_process
+from omnigate.loadtest.footprint import settled_footprint
+from omnigate.loadtest.server_process import server_process
 from tests.fuzz.harness import (
     FuzzMessage,
     HttpRequest,

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from omnigate.reliability.server_process import free_port
+from omnigate.loadtest.server_process import free_port
 
 SHORT_TEXT = "The quick brown fox jumps over the lazy dog."
 LONG_TEXT = "A long answer streams in many small chunks over one response. " * 12

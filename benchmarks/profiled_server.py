@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from omnigate.engines.pool import EnginePool
-from omnigate.gateway.cli import main
+from omnigate.gateway.cli.serve import main
 
 
 def install(out: Path) -> None:

@@ -24,8 +24,8 @@ import msgspec
 from websockets.asyncio.client import ClientConnection, connect
 
 from omnigate.gateway.settings import Settings
-from omnigate.reliability.footprint import Footprint, read_footprint
-from omnigate.reliability.server_process import server_process
+from omnigate.loadtest.footprint import Footprint, read_footprint
+from omnigate.loadtest.server_process import server_process
 
 LOADTEST = str(Path(sys.executable).with_name("omnigate-loadtest"))
 LONG_TEXT = "A slow listener should cost the other sessions nothing at all. " * 200

@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
-from omnigate.reliability.footprint import Footprint, settled_footprint
-from omnigate.reliability.server_process import server_process
-from omnigate.reliability.storm import run_storm
+from omnigate.loadtest.footprint import Footprint, settled_footprint
+from omnigate.loadtest.server_process import server_process
+from omnigate.loadtest.storm import run_storm
 
 
 def slope_per_round(values: list[float]) -> float:

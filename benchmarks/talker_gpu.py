@@ -101,7 +101,8 @@ def kernel_timings() -> dict[str, Any]:
     from omnigate.kernels import triton_kernels as tk
     from omnigate.kernels.attention import slot_attention_reference
     from omnigate.kernels.pcm import PACK_EXTRA, pack_pcm_reference
-    from omnigate.kernels.sampling import SamplingRows, Vocabulary, sample_tokens_reference
+    from omnigate.kernels.sampling import sample_tokens_reference
+    from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
     out: dict[str, Any] = {}
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -555,7 +556,7 @@ def running_server(args: argparse.Namespace, port: int, log_path: Path) -> Itera
         launcher = [
             "-c",
             f"import sys; sys.setswitchinterval({args.switch_interval_ms / 1000!r}); "
-            "from omnigate.gateway.cli import main; sys.exit(main())",
+            "from omnigate.gateway.cli.serve import main; sys.exit(main())",
         ]
     command = [
         sys.executable,

@@ -19,25 +19,25 @@ from omnigate.engines.base import Engine
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.engines.registry import load_engine
-from omnigate.gateway import info
-from omnigate.gateway.auth import AuthMiddleware
-from omnigate.gateway.client_secrets import client_secrets_endpoint
-from omnigate.gateway.credentials import ApiKeys, ClientSecretStore
 from omnigate.gateway.errors import routing_error
-from omnigate.gateway.loop_lag import watch_loop_lag
-from omnigate.gateway.metrics import Metrics
-from omnigate.gateway.ratelimit import KeyedSessionRegistry
+from omnigate.gateway.ops import info
+from omnigate.gateway.ops.loop_lag import watch_loop_lag
+from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.realtime.service import start_realtime
 from omnigate.gateway.realtime.ws import duplex_endpoint, realtime_endpoint
-from omnigate.gateway.robot_stream import robot_policy_endpoint, start_robot_pool, stop_robot_pool
+from omnigate.gateway.robot.stream import robot_policy_endpoint, start_robot_pool, stop_robot_pool
+from omnigate.gateway.security.auth import AuthMiddleware
+from omnigate.gateway.security.client_secrets import client_secrets_endpoint
+from omnigate.gateway.security.credentials import ApiKeys, ClientSecretStore
+from omnigate.gateway.security.ratelimit import KeyedSessionRegistry
 from omnigate.gateway.settings import Settings
-from omnigate.gateway.speech_http import speech_endpoint
-from omnigate.gateway.speech_stream import speech_stream_endpoint
+from omnigate.gateway.speech.http import speech_endpoint
+from omnigate.gateway.speech.stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.video.stream import start_video_engine, stop_video_engine, video_stream_endpoint
 from omnigate.gateway.video_chat.call import video_chat_calls_endpoint
 from omnigate.gateway.video_chat.service import start_omni_engine, stop_omni_engine
 from omnigate.gateway.video_chat.ws import video_chat_endpoint
-from omnigate.gateway.video_stream import start_video_engine, stop_video_engine, video_stream_endpoint
 from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint, video_calls_endpoint
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
 from omnigate.os_threads import named_executor

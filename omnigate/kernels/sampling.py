@@ -8,11 +8,10 @@ is shared or synced. Parameters are per-row tensors, so the call has fixed shape
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from omnigate.kernels.backend import triton_kernels, use_triton
+from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
 _MASK32 = 0xFFFFFFFF
 
@@ -40,33 +39,6 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> to
     token = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64) + 0x9E3779B9)
     bits = _mix32(row[:, None] ^ token[None, :]) >> 8  # 24 bits: exact in float32
     return (bits.to(torch.float32) + 0.5) / float(1 << 24)
-
-
-@dataclass(frozen=True)
-class SamplingRows:
-    """Per-row sampling parameters and randomness of one batch (every field ``[R]``)."""
-
-    temperature: torch.Tensor  # float32; <= 0 picks the most likely id
-    top_k: torch.Tensor  # int32; 0: no cut
-    top_p: torch.Tensor  # float32; 1: no cut
-    penalty: torch.Tensor  # float32; repetition penalty, 1: none
-    seeds: torch.Tensor  # int64 stream seeds
-    counters: torch.Tensor  # int64 draw counters
-    history_slots: torch.Tensor  # int64 row of the repetition window tensor
-    ring: torch.Tensor  # int64 position in the window that the sampled id overwrites
-
-    def head(self, rows: int) -> SamplingRows:
-        """The first ``rows`` rows (views)."""
-        return SamplingRows(*(getattr(self, f.name)[:rows] for f in fields(self)))
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """The ids a sampler may return and the end-of-audio bias."""
-
-    valid_ids: int  # ids [0, valid_ids) are eligible
-    eos_id: int
-    eos_bias: float = 0.0  # added to the end-of-audio logit (positive: shorter audio)
 
 
 def sample_tokens_reference(

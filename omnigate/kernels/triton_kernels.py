@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnigate.kernels.sampling import SamplingRows, Vocabulary
+from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
 
 def _pow2(n: int) -> int:

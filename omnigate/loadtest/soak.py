@@ -9,7 +9,7 @@ Usage::
 
 Every interval it records the server's footprint from ``/metrics`` (resident memory, open file descriptors,
 event-loop tasks, live sessions) and, for the utterances that ended in the interval, TTFA percentiles, underruns
-of the simulated player and errors. The verdicts are :mod:`omnigate.reliability.trend`'s. ``--api-key`` (default:
+of the simulated player and errors. The verdicts are :mod:`omnigate.loadtest.trend`'s. ``--api-key`` (default:
 ``$OMNIGATE_API_KEY``) is presented on every session and every ``/metrics`` read.
 """
 
@@ -30,14 +30,14 @@ import msgspec
 from omnigate.loadtest.api_key import ApiKey, add_api_key_option, auth_headers, auth_refusal_notice, resolve_api_key
 from omnigate.loadtest.arrivals import ClosedLoop
 from omnigate.loadtest.corpus import load_corpus
+from omnigate.loadtest.footprint import Footprint, FootprintUnavailable, read_footprint
 from omnigate.loadtest.report import LevelReport, LevelTraces, TargetSpec
 from omnigate.loadtest.runner import LevelRun, LevelSettings, run_capacity_search
 from omnigate.loadtest.stats import Distribution, distribution
 from omnigate.loadtest.targets import SessionSettings, Target, target_class
 from omnigate.loadtest.targets.base import http_url
 from omnigate.loadtest.traces import SessionTrace
-from omnigate.reliability.footprint import Footprint, FootprintUnavailable, read_footprint
-from omnigate.reliability.trend import Trend, trend
+from omnigate.loadtest.trend import Trend, trend
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -18,7 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from omnigate.gateway.credentials import ClientSecretStore, MintedSecret, api_key_hash, key_principal
+from omnigate.gateway.security.credentials import ClientSecretStore, MintedSecret, api_key_hash, key_principal
 from omnigate.gateway.settings import Settings
 from tests.fuzz.server import settle
 from tests.integration.ws_client import collect_utterance, send

@@ -14,8 +14,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from omnigate.gateway.cli import build_parser, settings_from_args
-from omnigate.gateway.credentials import api_key_hash
+from omnigate.gateway.cli.serve import build_parser, settings_from_args
+from omnigate.gateway.security.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from tests.serving import RunningServer, serve
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from omnigate.gateway.credentials import api_key_hash
+from omnigate.gateway.security.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from omnigate.loadtest.api_key import API_KEY_ENV
 from omnigate.loadtest.baseline import split_units

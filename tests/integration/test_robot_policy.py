@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from omnigate.gateway.credentials import api_key_hash
+from omnigate.gateway.security.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from omnigate.loadtest.report import LoadTestReport, consistency_problems
 from tests.integration.test_drain import close_code, next_event, server_process

@@ -14,8 +14,8 @@ import pytest
 
 from omnigate.engines.base import Engine
 from omnigate.gateway.settings import Settings
-from omnigate.reliability.footprint import Footprint, settled_footprint
-from omnigate.reliability.storm import StormResult, run_storm
+from omnigate.loadtest.footprint import Footprint, settled_footprint
+from omnigate.loadtest.storm import StormResult, run_storm
 from tests.serving import serve
 
 pytestmark = pytest.mark.slow

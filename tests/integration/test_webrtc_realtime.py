@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from aiortc.mediastreams import AudioStreamTrack
 
-from omnigate.gateway.credentials import api_key_hash
+from omnigate.gateway.security.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.webrtc.call import REALTIME_CHANNEL, SPEECH_CHANNEL
 from tests.audio_checks import synthetic_ms

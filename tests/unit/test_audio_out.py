@@ -10,7 +10,7 @@ import av
 import numpy as np
 import pytest
 
-from omnigate.gateway.audio_out import AudioOut
+from omnigate.gateway.speech.audio_out import AudioOut
 
 RATE = 24_000
 ROUNDS = 1000

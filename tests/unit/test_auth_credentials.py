@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from omnigate.gateway.cli_reliability import exposure_problem
-from omnigate.gateway.credentials import (
+from omnigate.gateway.cli.reliability import exposure_problem
+from omnigate.gateway.ops.logging import JsonFormatter, SessionContext, redact, session_id_var
+from omnigate.gateway.security.credentials import (
     ApiKeys,
     ClientSecretStore,
     SecretRefused,
@@ -19,8 +20,7 @@ from omnigate.gateway.credentials import (
     key_principal,
     read_api_keys_file,
 )
-from omnigate.gateway.logging import JsonFormatter, SessionContext, redact, session_id_var
-from omnigate.gateway.ratelimit import KeyedSessionRegistry, KeyRateLimiter, KeySessionLimitReached
+from omnigate.gateway.security.ratelimit import KeyedSessionRegistry, KeyRateLimiter, KeySessionLimitReached
 from omnigate.gateway.settings import Settings
 
 OWNER = key_principal(api_key_hash("k"))

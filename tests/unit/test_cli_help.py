@@ -6,7 +6,7 @@ import argparse
 import re
 
 from omnigate.engines.registry import LOADERS
-from omnigate.gateway.cli import build_parser
+from omnigate.gateway.cli.serve import build_parser
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from omnigate.engines.remote.protocol import (
 from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.remote.transport import ReplicaUnavailable
 from omnigate.engines.synthetic import SyntheticEngine
-from omnigate.gateway.cli import build_parser, settings_from_args
+from omnigate.gateway.cli.serve import build_parser, settings_from_args
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,8 @@ from omnigate.kernels.attention import slot_attention_reference
 from omnigate.kernels.norm import rms_norm_reference
 from omnigate.kernels.pcm import PACK_EXTRA, pack_pcm_reference, unpack_rms
 from omnigate.kernels.rope import apply_rope, rope_store_reference
-from omnigate.kernels.sampling import SamplingRows, Vocabulary, sample_tokens_reference, uniform_noise
+from omnigate.kernels.sampling import sample_tokens_reference, uniform_noise
+from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

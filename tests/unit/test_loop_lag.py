@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 
-from omnigate.gateway.loop_lag import watch_loop_lag
+from omnigate.gateway.ops.loop_lag import watch_loop_lag
 
 
 async def test_a_blocked_loop_shows_as_lag() -> None:

@@ -33,7 +33,7 @@ from ray.serve.schema import ServeDeploySchema
 from referencing import Registry, Resource
 
 import omnigate.engines.remote.serve as remote_serve
-from omnigate.gateway.cli import build_parser, settings_from_args
+from omnigate.gateway.cli.serve import build_parser, settings_from_args
 from omnigate.gateway.settings import Settings
 from tests.serving import serve
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omnigate.reliability.footprint import FootprintUnavailable, parse_footprint
-from omnigate.reliability.trend import least_squares_slope, trend
+from omnigate.loadtest.footprint import FootprintUnavailable, parse_footprint
+from omnigate.loadtest.trend import least_squares_slope, trend
 
 
 def test_slope_of_a_line() -> None:

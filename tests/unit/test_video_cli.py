@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnigate.gateway.cli import build_parser, settings_from_args
+from omnigate.gateway.cli.serve import build_parser, settings_from_args
 
 
 def test_video_model_and_options_reach_the_settings() -> None:

@@ -22,8 +22,8 @@ from omnigate.engines.base import Engine
 from omnigate.engines.core.server import serve_core
 from omnigate.engines.registry import load_engine
 from omnigate.engines.remote.replica import ReplicaCore
-from omnigate.gateway.cli import build_parser, settings_from_args
-from omnigate.gateway.logging import configure_logging
+from omnigate.gateway.cli.serve import build_parser, settings_from_args
+from omnigate.gateway.ops.logging import configure_logging
 from omnigate.gateway.settings import Settings
 
 log = logging.getLogger("omnigate.engines.core")

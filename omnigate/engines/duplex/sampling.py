@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from omnigate.kernels.sampling import SamplingRows, Vocabulary, sample_tokens
+from omnigate.kernels.sampling import sample_tokens
+from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
 
 class SeededSampler:

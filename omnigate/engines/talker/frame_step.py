@@ -27,7 +27,7 @@ import torch
 from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
 from omnigate.engines.talker.frames import FrameModel
 from omnigate.kernels.pcm import PACK_EXTRA, pack_pcm, unpack_rms
-from omnigate.kernels.sampling import SamplingRows
+from omnigate.kernels.sampling_types import SamplingRows
 
 # Rows of the input table (one column per batch row).
 SLOT, POSITION, FRAME_SLOT, CODEC_SLOT, SEED, COUNTER, RING, PREFILL, FRESH = range(9)

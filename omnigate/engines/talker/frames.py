@@ -20,7 +20,8 @@ from omnigate.engines.talker.kv_slots import SlotKVCache
 from omnigate.engines.talker.model import TalkerModel
 from omnigate.engines.talker.prefill_graphs import MIN_BUCKET, PrefillGraphs
 from omnigate.engines.talker.sampling import TokenSampler
-from omnigate.kernels.sampling import SamplingRows, sample_tokens
+from omnigate.kernels.sampling import sample_tokens
+from omnigate.kernels.sampling_types import SamplingRows
 
 CLOSING = -1  # a token id in a prefill that stands for the frame closing the previous segment's audio
 

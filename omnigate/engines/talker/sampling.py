@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from omnigate.kernels.sampling import SamplingRows, Vocabulary
+from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
 
 class TokenSampler:

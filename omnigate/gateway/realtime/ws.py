@@ -12,15 +12,15 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from omnigate.gateway.client_session import minted_session, stored_session_event
 from omnigate.gateway.realtime.backend import SessionRefused
 from omnigate.gateway.realtime.connection import RealtimeConnection
 from omnigate.gateway.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
 from omnigate.gateway.realtime.server_events import ErrorEvent, WireError, encode_event
 from omnigate.gateway.realtime.service import RealtimeService
+from omnigate.gateway.security.client_session import minted_session, stored_session_event
+from omnigate.gateway.speech.voices import resolve_voice
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.task_pair import run_reader_writer
-from omnigate.gateway.voices import resolve_voice
 from omnigate.sessions.registry import SessionLimitReached
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 The data channel ``oai-events`` (OpenAI's WebRTC flow) carries the realtime protocol instead, served by
 :mod:`omnigate.gateway.webrtc.realtime_channel`; a call uses one of the two channels, and the first opened wins.
 The data channel ``speech`` carries the speech-stream protocol (the same messages and mapping as the WebSocket
-route, from :mod:`omnigate.gateway.speech_adapter`); audio goes out on the media track as 20 ms Opus packets. The
+route, from :mod:`omnigate.gateway.speech.adapter`); audio goes out on the media track as 20 ms Opus packets. The
 writer task takes the session's events in order: control events go to the data channel, media is encoded in a
 worker thread and queued on the track a few packets ahead of its clock. The writer only takes the next event when
 the track has room, so generated audio waits in the session outbox, whose room is the engine's credit: the engine
@@ -25,7 +25,6 @@ from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from omnigate.codecs.rtc_audio import RTC_FRAME_MS, RTC_SAMPLE_RATE, RtcOpusStream
-from omnigate.gateway.client_session import stored_session_event
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.realtime.backend import SessionRefused
 from omnigate.gateway.realtime.connection import RealtimeConnection
@@ -33,14 +32,15 @@ from omnigate.gateway.realtime.server_events import ErrorEvent as RealtimeError
 from omnigate.gateway.realtime.server_events import WireError, encode_event
 from omnigate.gateway.realtime.service import RealtimeService
 from omnigate.gateway.realtime.ws import session_voice
-from omnigate.gateway.speech_adapter import (
+from omnigate.gateway.security.client_session import stored_session_event
+from omnigate.gateway.speech.adapter import (
     SpeechInput,
     audio_done_event,
     audio_start_event,
     error_event,
     session_done_event,
 )
-from omnigate.gateway.speech_protocol import InputCancel
+from omnigate.gateway.speech.protocol import InputCancel
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.webrtc.channel import CHANNEL_LOW_WATER_BYTES, ChannelWriter
 from omnigate.gateway.webrtc.ice import rtc_configuration

@@ -18,8 +18,8 @@ from aiortc.sdp import SessionDescription
 from starlette.requests import Request
 from starlette.responses import Response
 
-from omnigate.gateway.client_session import minted_session
 from omnigate.gateway.errors import HttpError
+from omnigate.gateway.security.client_session import minted_session
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.webrtc.call import TRANSPORT, WebRtcCall

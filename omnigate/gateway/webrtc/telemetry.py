@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from omnigate.gateway.metrics import Metrics
+from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.webrtc.track import SpeechTrack
 
 TRANSPORT = "webrtc"

@@ -1,6 +1,6 @@
 """One WebRTC video call: generated video played on the call's video track, driven over the ``video`` data channel.
 
-The data channel carries exactly the events of ``WS /v1/realtime/video`` (:mod:`omnigate.gateway.video_protocol`);
+The data channel carries exactly the events of ``WS /v1/realtime/video`` (:mod:`omnigate.gateway.video.protocol`);
 ``video.start`` names the track's negotiated codec as its ``mime`` (``video/VP8``, ``video/H264``), ``video.done``
 has no ``bytes`` (the track's encoder is aiortc's). Decoded frames are converted in a worker thread and queued on
 the track, which plays them at the requested fps; a frame's engine credit returns as it is played, so decoding
@@ -28,8 +28,8 @@ from aiortc.sdp import SessionDescription
 from omnigate.engines.video.outputs import FrameGroup, VideoDone
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.state import Gateway
-from omnigate.gateway.video_generation import handle_client_text, rearm_receive_timeout, run_generation
-from omnigate.gateway.video_protocol import binary_refused
+from omnigate.gateway.video.generation import handle_client_text, rearm_receive_timeout, run_generation
+from omnigate.gateway.video.protocol import binary_refused
 from omnigate.gateway.webrtc.channel import ChannelWriter
 from omnigate.gateway.webrtc.ice import rtc_configuration
 from omnigate.gateway.webrtc.telemetry import END_REASONS, WebRtcTelemetry
@@ -51,7 +51,7 @@ _DONE_WAIT_S = 2.0
 
 
 class TrackOutlet:
-    """One generation's frames onto the call's track (the :class:`~omnigate.gateway.video_generation.FrameOutlet`
+    """One generation's frames onto the call's track (the :class:`~omnigate.gateway.video.generation.FrameOutlet`
     of a video call)."""
 
     def __init__(self, track: GeneratedVideoTrack, mime: str) -> None:

@@ -13,7 +13,7 @@ from websockets.asyncio.client import ClientConnection
 
 from omnigate.gateway.errors import UNDECODABLE
 from omnigate.gateway.settings import Settings
-from omnigate.gateway.speech_protocol import SessionCloseEvent, decode_client_event, event_type_of
+from omnigate.gateway.speech.protocol import SessionCloseEvent, decode_client_event, event_type_of
 from tests.fuzz.harness import ERROR, VALID, Expectation, FuzzMessage, WsTarget
 from tests.fuzz.mutations import json_values, malformed_frames, mutate, strings
 

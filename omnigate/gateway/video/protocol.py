@@ -15,7 +15,7 @@ import msgspec
 
 from omnigate.engines.video.outputs import VideoDone, decoded_before_first_consumed, first_time
 from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
-from omnigate.gateway.speech_protocol import event_type_of
+from omnigate.gateway.speech.protocol import event_type_of
 
 if TYPE_CHECKING:
     from omnigate.engines.video.request import VideoRequest

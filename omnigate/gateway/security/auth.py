@@ -13,7 +13,7 @@ A client secret (minted by ``POST /v1/realtime/client_secrets``) opens one sessi
 routes and on the HTTP paths of :attr:`RoutePolicy.client_secret_http_paths`, nowhere else. A refused WebSocket gets
 an HTTP 401/403/429 denial response before any accept (the ASGI ``websocket.http.response`` extension), or a close
 before accept where the server lacks it. Routes read the caller from ``request.state.principal`` or
-:data:`~omnigate.gateway.credentials.current_principal`.
+:data:`~omnigate.gateway.security.credentials.current_principal`.
 
 New routes need nothing here: every path requires a credential unless the policy lists it as open, and every
 WebSocket route accepts client secrets. A new public path (static assets of the web client) goes into
@@ -31,9 +31,11 @@ from urllib.parse import parse_qsl, urlencode
 import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnigate.gateway import logging as gateway_logging
-from omnigate.gateway.browser_guard import BrowserPolicy, BrowserRefusal, cors_headers
-from omnigate.gateway.credentials import (
+from omnigate.gateway.errors import HTTP_ERROR_TYPES
+from omnigate.gateway.ops import logging as gateway_logging
+from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.security.browser_guard import BrowserPolicy, BrowserRefusal, cors_headers
+from omnigate.gateway.security.credentials import (
     ANONYMOUS,
     CLIENT_SECRET_PREFIX,
     ApiKeys,
@@ -42,9 +44,7 @@ from omnigate.gateway.credentials import (
     SecretRefused,
     current_principal,
 )
-from omnigate.gateway.errors import HTTP_ERROR_TYPES
-from omnigate.gateway.metrics import Metrics
-from omnigate.gateway.ratelimit import KeyedSessionRegistry, KeyRateLimiter, retry_after_header
+from omnigate.gateway.security.ratelimit import KeyedSessionRegistry, KeyRateLimiter, retry_after_header
 from omnigate.gateway.state import Gateway
 
 log = logging.getLogger(__name__)

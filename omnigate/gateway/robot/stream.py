@@ -33,7 +33,7 @@ from omnigate.engines.policy.spec import check_observation
 from omnigate.engines.policy.wire import WireError, pack, unpack
 from omnigate.engines.pool import PoolClosed, PoolFull
 from omnigate.gateway.errors import json_error
-from omnigate.gateway.metrics import Metrics
+from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
 from omnigate.sessions.registry import SessionLimitReached

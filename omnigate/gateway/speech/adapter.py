@@ -13,7 +13,7 @@ import msgspec
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
-from omnigate.gateway.speech_protocol import (
+from omnigate.gateway.speech.protocol import (
     CLIENT_EVENT_TYPES,
     ClientEvent,
     InputCancel,

@@ -15,17 +15,17 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.codecs.encoder import complete_wav
-from omnigate.gateway.audio_out import AudioOut
-from omnigate.gateway.client_session import minted_session, stored_session_event
 from omnigate.gateway.errors import json_error
-from omnigate.gateway.metrics import Metrics
-from omnigate.gateway.speech_adapter import (
+from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.security.client_session import minted_session, stored_session_event
+from omnigate.gateway.speech.adapter import (
     SpeechInput,
     audio_done_event,
     audio_start_event,
     error_event,
     session_done_event,
 )
+from omnigate.gateway.speech.audio_out import AudioOut
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.task_pair import park, run_reader_writer
 from omnigate.sessions.driver import SessionDriver

@@ -23,11 +23,20 @@ from collections.abc import Iterable
 import msgspec
 from starlette.types import Scope
 
-from omnigate.gateway.cli_reliability import is_loopback
 from omnigate.gateway.settings import Settings
 
 CORS_METHODS = b"GET, POST, OPTIONS"
 CORS_HEADERS = b"authorization, content-type"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class BrowserRefusal(Exception):

@@ -1,7 +1,7 @@
 """``POST /v1/audio/speech``: OpenAI's TTS API, streamed with chunked transfer (or SSE with ``stream_format=sse``).
 
 A response whose speech is cut off after the audio began (the engine failed, the session was closed) is aborted,
-never finished as if complete (see :mod:`omnigate.gateway.http_stream`); over SSE an ``error`` event comes first.
+never finished as if complete (see :mod:`omnigate.gateway.speech.http_stream`); over SSE an ``error`` event comes first.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
-from omnigate.gateway.audio_out import AudioOut
 from omnigate.gateway.errors import UNDECODABLE, HttpError, describe_validation_error
-from omnigate.gateway.http_stream import AbortableStreamingResponse, BodyAborted
-from omnigate.gateway.metrics import Metrics
+from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.speech.audio_out import AudioOut
+from omnigate.gateway.speech.http_stream import AbortableStreamingResponse, BodyAborted
+from omnigate.gateway.speech.voices import resolve_voice
 from omnigate.gateway.state import Gateway
-from omnigate.gateway.voices import resolve_voice
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
     AppendText,

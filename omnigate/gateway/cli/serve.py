@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from omnigate import __version__
 from omnigate.engines.admission import ADMISSION_POLICIES
 from omnigate.engines.registry import DEFAULT_ENGINE, LOADERS
-from omnigate.gateway.cli_reliability import (
+from omnigate.gateway.cli.reliability import (
     add_reliability_options,
     auth_summary,
     exposure_problem,
     reliability_settings,
 )
-from omnigate.gateway.logging import configure_logging
+from omnigate.gateway.ops.logging import configure_logging
 from omnigate.gateway.settings import Settings
 
 _DEFAULTS = Settings()
@@ -412,14 +412,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)
     if where == "core" and settings.core_socket is None:
-        from omnigate.gateway.supervisor import supervise
+        from omnigate.gateway.cli.supervisor import supervise
 
         logging.getLogger(__name__).info(
             "engine core with %d gateway worker(s) on http://%s:%d", settings.workers, settings.host, settings.port
         )
         return supervise(serve_argv, settings.workers)
     from omnigate.gateway.app import create_app
-    from omnigate.gateway.drain import DrainingServer
+    from omnigate.gateway.ops.drain import DrainingServer
     from omnigate.gateway.server_config import uvicorn_config
     from omnigate.gateway.sockets import bind_listener
 

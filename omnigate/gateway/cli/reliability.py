@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 from pathlib import Path
 from typing import Any
 
-from omnigate.gateway.credentials import api_key_hash, read_api_keys_file
+from omnigate.gateway.security.browser_guard import is_loopback
+from omnigate.gateway.security.credentials import api_key_hash, read_api_keys_file
 from omnigate.gateway.settings import Settings
 
 _DEFAULTS = Settings()
@@ -94,15 +94,6 @@ def reliability_settings(args: argparse.Namespace) -> dict[str, Any]:
         "engine_step_timeout_s": args.engine_step_timeout,
         "log_json": args.log_json,
     }
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def exposure_problem(settings: Settings) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from omnigate.gateway.credentials import current_principal
+from omnigate.gateway.security.credentials import current_principal
 from omnigate.sessions.registry import SessionLease, SessionLimitReached, SessionRegistry
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-log = logging.getLogger("omnigate.gateway.supervisor")
+log = logging.getLogger("omnigate.gateway.cli.supervisor")
 
 RESTART_BACKOFF_S = 0.2
 RESTART_BACKOFF_MAX_S = 5.0

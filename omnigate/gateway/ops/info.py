@@ -7,7 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from omnigate.gateway.metrics import CONTENT_TYPE, Metrics
+from omnigate.gateway.ops.metrics import CONTENT_TYPE, Metrics
 from omnigate.gateway.state import Gateway
 
 _STARTED = int(time.time())

@@ -8,7 +8,7 @@ import msgspec
 
 from omnigate.engines.base import EngineInfo
 from omnigate.gateway.errors import UNDECODABLE
-from omnigate.gateway.voices import resolve_voice
+from omnigate.gateway.speech.voices import resolve_voice
 from omnigate.sessions.messages import SessionConfig
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.video.outputs import FrameGroup, VideoDone
-from omnigate.gateway.video_protocol import (
+from omnigate.gateway.video.protocol import (
     ProtocolError,
     SessionClose,
     VideoCancel,

@@ -3,8 +3,8 @@
 The caller authenticates with an API key; the secret it gets back opens one session (a WebSocket or a WebRTC call)
 before ``expires_at``. OpenAI's secrets may open several sessions; ours open one, so a leaked secret is worth at most
 one session. The optional ``session`` object (checked, and bounded in size) is kept with the secret and applied when
-the session it opens begins (:mod:`omnigate.gateway.client_session`). Secrets are bounded in number per minting key
-as well as in all, so one key cannot lock out the others.
+the session it opens begins (:mod:`omnigate.gateway.security.client_session`). Secrets are bounded in number per
+minting key as well as in all, so one key cannot lock out the others.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from omnigate.gateway.client_session import StoredSessionInvalid, check_stored_session
-from omnigate.gateway.credentials import ANONYMOUS, ClientSecretStore, Principal, StoreFull
 from omnigate.gateway.errors import HttpError, describe_validation_error
+from omnigate.gateway.security.client_session import StoredSessionInvalid, check_stored_session
+from omnigate.gateway.security.credentials import ANONYMOUS, ClientSecretStore, Principal, StoreFull
 from omnigate.gateway.state import Gateway
 
 MIN_TTL_S = 10  # OpenAI's lower bound for expires_after.seconds

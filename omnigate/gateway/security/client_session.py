@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 from starlette.types import Scope
 
-from omnigate.gateway.credentials import Principal
 from omnigate.gateway.realtime.client_events import SessionPatch
-from omnigate.gateway.speech_protocol import SessionConfigEvent
+from omnigate.gateway.security.credentials import Principal
+from omnigate.gateway.speech.protocol import SessionConfigEvent
 
 SESSION_TYPES = ("realtime", "speech")
 

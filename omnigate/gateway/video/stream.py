@@ -1,6 +1,6 @@
 """``WS /v1/realtime/video``: a prompt in, generated video out as fragmented MP4 while it is being decoded.
 
-The events are those of :mod:`omnigate.gateway.video_protocol`; the video itself comes as binary messages between
+The events are those of :mod:`omnigate.gateway.video.protocol`; the video itself comes as binary messages between
 ``video.start`` and ``video.done``: the fMP4 init segment, then one fragment per decoded frame group. One generation
 at a time per connection, several one after another.
 
@@ -25,8 +25,8 @@ from omnigate.engines.video.outputs import FrameGroup, VideoDone
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
-from omnigate.gateway.video_generation import handle_client_text, rearm_receive_timeout, run_generation
-from omnigate.gateway.video_protocol import binary_refused
+from omnigate.gateway.video.generation import handle_client_text, rearm_receive_timeout, run_generation
+from omnigate.gateway.video.protocol import binary_refused
 from omnigate.sessions.registry import SessionLimitReached
 
 if TYPE_CHECKING:

@@ -1,1 +1,0 @@
-"""Reliability tooling that runs against a live server: abort and disconnect storms, resource footprints, soaks."""
