@@ -53,6 +53,14 @@ class CoreServer:
             r = await client.get(f"http://127.0.0.1:{self.port}/ready")
         return r.status_code, r.json()
 
+    async def wait_workers_started(self, workers: int) -> None:
+        """Wait until every gateway worker has finished its startup (each logs it): a signal that reaches a worker
+        still starting is not the drain under test."""
+        async with asyncio.timeout(60):
+            while self.log.read_text().count("Application startup complete") < workers:
+                assert self.process.returncode is None, self.log.read_text()
+                await asyncio.sleep(0.05)
+
     async def wait_ready(self, status: int, free_slots: int | None = None) -> dict[str, Any]:
         """Poll /ready until it answers ``status`` (and, when given, ``free_slots`` engine slots free): the state
         is the server's, not a guess about time."""
@@ -203,6 +211,7 @@ async def test_a_killed_gateway_frees_its_slots_in_the_core(tmp_path: Path) -> N
 
 async def test_sigterm_drains_every_worker_before_the_core_stops(tmp_path: Path) -> None:
     async with core_server(tmp_path, ["--workers", "2", "--model", "rtf=1.0", "--drain-timeout", "30"]) as server:
+        await server.wait_workers_started(2)
         text = "The drain lets this sentence finish before the core stops."
         speaking = []
         for _ in range(4):

@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import venv
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,15 +166,30 @@ async def test_bearer_auth_works_too() -> None:
 
 
 async def test_a_second_observation_before_the_reply_is_refused_typed(robot_server: RunningServer) -> None:
-    ws, metadata = await open_robot(robot_server)
-    observation = good_observation(metadata)
-    await ws.send(observation)
-    await ws.send(observation)
-    messages = [await ws.recv(), await ws.recv()]
-    texts = [m for m in messages if isinstance(m, str)]
-    answers = [m for m in messages if isinstance(m, bytes)]
-    assert [error_code(t) for t in texts] == ["observation_in_flight"]
-    assert len(answers) == 1 and "actions" in openpi_unpack(answers[0])
+    pool = robot_server.gateway.robot_pool
+    assert pool is not None
+    # The policy's step is held until the second observation was refused, so the first is surely still in flight.
+    gate = threading.Event()
+    step = pool.engine.step
+
+    def held_step(streams: Any) -> Any:
+        gate.wait(30)
+        return step(streams)
+
+    pool.engine.step = held_step  # type: ignore[method-assign]
+    try:
+        ws, metadata = await open_robot(robot_server)
+        observation = good_observation(metadata)
+        await ws.send(observation)
+        await ws.send(observation)
+        refusal = await ws.recv()
+        assert isinstance(refusal, str) and error_code(refusal) == "observation_in_flight"
+        gate.set()
+        answer = await ws.recv()
+        assert isinstance(answer, bytes) and "actions" in openpi_unpack(answer)
+    finally:
+        pool.engine.step = step  # type: ignore[method-assign]
+        gate.set()
     await ws.send(observation)  # answered: the next one is served
     assert "actions" in openpi_unpack(await ws.recv())
     await ws.close()
