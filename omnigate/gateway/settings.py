@@ -22,7 +22,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # where a local engine runs: "core" (an engine-core process the gateway processes attach to), "inline" (in the
     # gateway process), "auto" (core for GPU model engines and for several workers, inline otherwise)
     engine_process: str = "auto"
-    workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT), all attached to one engine core
+    workers: int = 0  # gateway processes sharing the port (SO_REUSEPORT) on one engine core; 0: by the cores
     # set in a gateway worker: the engine core's Unix socket, which this process reaches instead of loading the engine
     core_socket: str | None = None
     # the video engine, loaded beside the speech engine only when a model is named (WS /v1/realtime/video)

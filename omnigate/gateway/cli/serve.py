@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from omnigate import __version__
 from omnigate.engines.admission import ADMISSION_POLICIES
+from omnigate.engines.cpus import available_cpus
 from omnigate.engines.registry import DEFAULT_ENGINE, LOADERS
 from omnigate.gateway.cli.reliability import (
     add_reliability_options,
@@ -20,6 +21,8 @@ from omnigate.gateway.ops.logging import configure_logging
 from omnigate.gateway.settings import Settings
 
 _DEFAULTS = Settings()
+CORES_PER_WORKER = 4  # a gateway worker's loop, with room beside it for the engine core and its host work
+MAX_AUTO_WORKERS = 4
 
 
 def _engine_option(text: str) -> tuple[str, str]:
@@ -116,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=_DEFAULTS.workers,
-        help="gateway processes sharing the port (SO_REUSEPORT), all attached to one engine core",
+        help="gateway processes sharing the port (SO_REUSEPORT), all attached to one engine core; 0 (the default): "
+        f"with an engine core, one per {CORES_PER_WORKER} available cores up to {MAX_AUTO_WORKERS}, else 1",
     )
     eng.add_argument("--attach-core", default=None, help=argparse.SUPPRESS)  # set by serve for its workers
     eng.add_argument("--ray-address", default=None, help="with --engine-pool ray: the cluster, HOST:PORT")
@@ -379,8 +383,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def engine_process(settings: Settings) -> str:
     """Where the engine runs, ``core`` or ``inline``, for these settings. Raises ``ValueError`` for a choice that
     cannot work."""
-    if settings.workers < 1:
-        raise ValueError("--workers must be at least 1")
+    if settings.workers < 0:
+        raise ValueError("--workers must be 0 (automatic) or more")
     choice = settings.engine_process
     inline_only = None
     if settings.engine_pool == "ray":
@@ -396,6 +400,17 @@ def engine_process(settings: Settings) -> str:
     if choice == "inline" and settings.workers > 1:
         raise ValueError("--workers above 1 needs --engine-process core: the workers share one engine core")
     return choice
+
+
+def gateway_workers(settings: Settings, where: str) -> int:
+    """The gateway processes to start: ``--workers``, or with 0 and an engine core, one per
+    ``CORES_PER_WORKER`` cores this process may use, at most ``MAX_AUTO_WORKERS`` (on the H200, one gateway process
+    bounds the engine core's capacity at ~400 talker sessions, four carry ~630: docs/benchmarks/talker_gpu_wave2.md)."""
+    if settings.workers > 0:
+        return settings.workers
+    if where != "core":
+        return 1
+    return max(1, min(MAX_AUTO_WORKERS, available_cpus() // CORES_PER_WORKER))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,10 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if where == "core" and settings.core_socket is None:
         from omnigate.gateway.cli.supervisor import supervise
 
+        workers = gateway_workers(settings, where)
         logging.getLogger(__name__).info(
-            "engine core with %d gateway worker(s) on http://%s:%d", settings.workers, settings.host, settings.port
+            "engine core with %d gateway worker(s) on http://%s:%d", workers, settings.host, settings.port
         )
-        return supervise(serve_argv, settings.workers)
+        return supervise(serve_argv, workers)
     from omnigate.gateway.app import create_app
     from omnigate.gateway.ops.drain import DrainingServer
     from omnigate.gateway.server_config import uvicorn_config

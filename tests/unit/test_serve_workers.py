@@ -1,0 +1,30 @@
+"""How many gateway processes ``omnigate serve`` starts, and where the engine runs, for its options."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnigate.gateway.cli import serve
+from omnigate.gateway.settings import Settings
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (128, 4)])
+def test_automatic_workers_follow_the_cores_with_an_engine_core(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, expected: int
+) -> None:
+    monkeypatch.setattr(serve, "available_cpus", lambda: cpus)
+    settings = Settings(engine="talker")
+    assert serve.engine_process(settings) == "core"
+    assert serve.gateway_workers(settings, "core") == expected
+
+
+def test_an_inline_engine_has_one_gateway_and_a_given_count_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "available_cpus", lambda: 64)
+    assert serve.engine_process(Settings(engine="piper")) == "inline"
+    assert serve.gateway_workers(Settings(engine="piper"), "inline") == 1
+    assert serve.gateway_workers(Settings(engine="talker", workers=3), "core") == 3
+
+
+def test_a_negative_worker_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="--workers"):
+        serve.engine_process(Settings(workers=-1))
