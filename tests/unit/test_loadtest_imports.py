@@ -10,8 +10,9 @@ import sys
 import omnigate.loadtest.cli
 import omnigate.loadtest.targets.ws_speech
 import omnigate.loadtest.targets.http_speech
+import omnigate.loadtest.targets.realtime_webrtc
 from omnigate.loadtest.targets import target_class
-target_class("ws-speech"); target_class("http-speech")
+target_class("ws-speech"); target_class("http-speech"); target_class("realtime-webrtc")
 forbidden = ("torch", "transformers", "onnxruntime", "omnigate.gateway", "omnigate.engines", "omnigate.sessions")
 loaded = sorted(name for name in sys.modules if name.split(".")[0] in forbidden or name.startswith(forbidden))
 print(",".join(loaded))

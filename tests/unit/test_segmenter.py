@@ -212,6 +212,23 @@ def test_the_first_unit_of_an_utterance_ends_at_a_clause_or_a_word_budget(text: 
     assert units == expected
 
 
+@pytest.mark.parametrize(
+    ("words", "unit"),
+    [
+        (["Sure, ", "I ", "can ", "help ", "with ", "that. "], "Sure, I can help with "),
+        (["To ", "reset ", "your ", "password, ", "open ", "the "], "To reset your password, "),
+    ],
+)
+def test_the_first_unit_is_released_by_the_whitespace_after_its_last_word(words: list[str], unit: str) -> None:
+    """Text streamed a word at a time (each with its trailing space, as LLM tokens come): the first unit leaves with
+    the push that completes it, not one word later."""
+    segmenter = TextSegmenter(SegmenterConfig(first_unit_max_words=5))
+    released = [segmenter.push(word, 50.0 * index) for index, word in enumerate(words)]
+    last = len(unit.split()) - 1
+    assert released[last] == [unit]
+    assert all(units == [] for units in released[:last])
+
+
 def test_every_utterance_starts_with_a_short_first_unit() -> None:
     segmenter = TextSegmenter(SegmenterConfig(first_unit_max_words=3, first_unit_min_words=1))
     assert segmenter.push("Well, that was fun. Bye now.", 0.0) == ["Well, ", "that was fun. "]

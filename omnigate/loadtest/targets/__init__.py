@@ -19,6 +19,7 @@ _BUILTIN: dict[str, str] = {
     "http-speech": "omnigate.loadtest.targets.http_speech:HttpSpeechTarget",
     "webrtc": "omnigate.loadtest.targets.webrtc:WebRtcTarget",
     "realtime": "omnigate.loadtest.targets.realtime:RealtimeTarget",
+    "realtime-webrtc": "omnigate.loadtest.targets.realtime_webrtc:RealtimeWebRtcTarget",
     "robot": "omnigate.loadtest.targets.robot:RobotTarget",
     "video-chat": "omnigate.loadtest.targets.video_chat:VideoChatTarget",
 }

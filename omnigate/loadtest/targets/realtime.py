@@ -62,7 +62,7 @@ class RealtimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("reply_ms and barge_in_ms must be positive")
 
 
-class _Event(msgspec.Struct):
+class RealtimeEvent(msgspec.Struct):
     """The fields of server events the client reads."""
 
     type: str
@@ -73,18 +73,18 @@ class _Event(msgspec.Struct):
     error: dict[str, Any] | None = None
 
 
-_DECODER = msgspec.json.Decoder(_Event)
+EVENT_DECODER = msgspec.json.Decoder(RealtimeEvent)
 
 
-def load_speech(path: Path) -> bytes:
-    """A mono 16-bit WAV as 24 kHz s16le PCM (linear interpolation is enough for a VAD and a speech model)."""
+def load_speech(path: Path, rate: int = RATE) -> bytes:
+    """A mono 16-bit WAV as s16le PCM at ``rate`` (linear interpolation is enough for a VAD and a speech model)."""
     with wave.open(str(path), "rb") as source:
         if source.getnchannels() != 1 or source.getsampwidth() != 2:
             raise ValueError(f"{path}: speech must be mono 16-bit PCM")
-        rate = source.getframerate()
+        source_rate = source.getframerate()
         samples = np.frombuffer(source.readframes(source.getnframes()), dtype="<i2").astype(np.float64)
-    if rate != RATE and samples.size:
-        count = int(samples.size * RATE / rate)
+    if source_rate != rate and samples.size:
+        count = int(samples.size * rate / source_rate)
         samples = np.interp(np.linspace(0, samples.size - 1, count), np.arange(samples.size), samples)
     return samples.astype("<i2").tobytes()
 
@@ -225,7 +225,7 @@ class RealtimeTarget(Target):
             async for message in connection:
                 now_s = time.perf_counter()
                 try:
-                    event = _DECODER.decode(message)
+                    event = EVENT_DECODER.decode(message)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     trace.error("protocol_unknown_event", f"{exc}: {str(message)[:200]}")
                     continue
@@ -239,7 +239,7 @@ class RealtimeTarget(Target):
 
     async def _on_event(
         self,
-        event: _Event,
+        event: RealtimeEvent,
         now_s: float,
         trace: SessionTrace,
         state: _Session,

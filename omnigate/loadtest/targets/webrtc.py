@@ -182,6 +182,17 @@ class SpeechPeer:
                 self._on_audio(frame, time.perf_counter())
 
 
+async def wait_unless_ended(event: asyncio.Event, peer: SpeechPeer, timeout_s: float) -> bool:
+    """Wait for ``event``; False after ``timeout_s`` or when the call ended first."""
+    waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(peer.ended.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when="FIRST_COMPLETED")
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    return event.is_set()
+
+
 class _Receiving:
     """The utterance in flight and how far its audio has come."""
 
@@ -259,27 +270,32 @@ class WebRtcTarget(Target):
             self._client = None
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
-        assert self._client is not None, "open() the target first"
         state = _Receiving(trace)
         peer = SpeechPeer(state.on_event, state.on_audio)
         try:
-            try:
-                async with asyncio.timeout(self.settings.connect_timeout_s):
-                    await peer.connect(self._client, self.calls_url)
-            except CallRefused as exc:
-                trace.error(f"http_{exc.status}", exc.body)
-                return
-            except TimeoutError:
-                trace.error("connect_timeout")
-                return
-            except (httpx.HTTPError, OSError) as exc:
-                trace.error("connect_failed", str(exc))
-                return
-            trace.connected(time.perf_counter())
-            trace.record_negotiated("audio_codec", peer.audio_codec())
-            await self._converse(peer, texts, trace, state)
+            if await self.connect(peer, trace):
+                await self._converse(peer, texts, trace, state)
         finally:
             await peer.close()
+
+    async def connect(self, peer: SpeechPeer, trace: SessionTrace) -> bool:
+        """Set up the call and record it; False, with the failure recorded, when it could not be set up."""
+        assert self._client is not None, "open() the target first"
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                await peer.connect(self._client, self.calls_url)
+        except CallRefused as exc:
+            trace.error(f"http_{exc.status}", exc.body)
+            return False
+        except TimeoutError:
+            trace.error("connect_timeout")
+            return False
+        except (httpx.HTTPError, OSError) as exc:
+            trace.error("connect_failed", str(exc))
+            return False
+        trace.connected(time.perf_counter())
+        trace.record_negotiated("audio_codec", peer.audio_codec())
+        return True
 
     async def _converse(self, peer: SpeechPeer, texts: Sequence[str], trace: SessionTrace, state: _Receiving) -> None:
         # The track carries the audio (Opus); the data channel's format setting only shapes the events.
@@ -295,7 +311,7 @@ class WebRtcTarget(Target):
                 trace.error("closed_by_server")
                 return
             peer.send(InputDoneMessage())
-            if not await self._wait(state.done, peer):
+            if not await wait_unless_ended(state.done, peer, self.settings.utterance_timeout_s):
                 trace.error("utterance_timeout" if not peer.ended.is_set() else "closed_by_server")
                 return
         peer.send(SessionCloseMessage())
@@ -304,16 +320,6 @@ class WebRtcTarget(Target):
                 await peer.ended.wait()
         except TimeoutError:
             trace.error("close_timeout")
-
-    async def _wait(self, done: asyncio.Event, peer: SpeechPeer) -> bool:
-        """Wait for ``done``; False on the utterance timeout or when the call ended first."""
-        waiters = {asyncio.ensure_future(done.wait()), asyncio.ensure_future(peer.ended.wait())}
-        try:
-            await asyncio.wait(waiters, timeout=self.settings.utterance_timeout_s, return_when="FIRST_COMPLETED")
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-        return done.is_set()
 
     async def _send_text(self, peer: SpeechPeer, utterance: UtteranceTrace) -> bool:
         words_per_second = self.settings.words_per_second
