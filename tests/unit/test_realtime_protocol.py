@@ -12,18 +12,17 @@ import pytest
 from openai._models import BaseModel as OpenAIModel
 from openai.types.realtime import RealtimeClientEvent, RealtimeServerEvent
 
-from omnigate.gateway.realtime import server_events as se
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities
-from omnigate.gateway.realtime.client_events import (
+from omnigate.gateway.realtime.protocol import decode_client_event, peek
+from omnigate.sessions.realtime import server_events as se
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities
+from omnigate.sessions.realtime.client_events import (
     CLIENT_EVENT_TYPES,
     ConversationItemCreate,
     ResponseCreate,
     ServerVad,
     SessionUpdate,
-    decode_client_event,
-    peek,
 )
-from omnigate.gateway.realtime.config import default_config, session_object
+from omnigate.sessions.realtime.config import default_config, session_object
 
 _UNION = typing.get_args(typing.get_args(RealtimeServerEvent)[0])
 SERVER_MODELS: dict[str, type[OpenAIModel]] = {

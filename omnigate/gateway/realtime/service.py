@@ -19,11 +19,11 @@ from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.engines.registry import load_engine
 from omnigate.engines.vad import VAD_CALL_THREADS
 from omnigate.gateway.realtime.backend import Backend, SessionRefused
-from omnigate.gateway.realtime.connection import RealtimeLimits
 from omnigate.gateway.realtime.duplex_backend import DuplexBackend, DuplexEngineApi
 from omnigate.gateway.realtime.tts_backend import TtsBackend
 from omnigate.gateway.settings import Settings
 from omnigate.os_threads import named_executor
+from omnigate.sessions.realtime.session import RealtimeLimits
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import SessionLimits
 

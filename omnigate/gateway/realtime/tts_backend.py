@@ -16,8 +16,6 @@ import msgspec
 
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
-from omnigate.gateway.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
     AppendText,
@@ -31,7 +29,9 @@ from omnigate.sessions.messages import (
     SessionConfig,
     UtteranceDone,
 )
-from omnigate.sessions.realtime_conversation import Response, ResponseStatus
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.sessions.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
+from omnigate.sessions.realtime.conversation import Response, ResponseStatus
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, SessionLimits, synthesis_params
 

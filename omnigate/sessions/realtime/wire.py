@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
-from omnigate.gateway.realtime.config import wire_format
-from omnigate.gateway.realtime.server_events import (
+from omnigate.sessions.realtime.config import wire_format
+from omnigate.sessions.realtime.conversation import Item, Response
+from omnigate.sessions.realtime.server_events import (
     WireContent,
     WireInputDetails,
     WireItem,
@@ -22,7 +23,6 @@ from omnigate.gateway.realtime.server_events import (
     WireStatusError,
     WireUsage,
 )
-from omnigate.sessions.realtime_conversation import Item, Response
 
 CONVERSATION_ID = "conv_default"
 AUDIO_TOKEN_MS = 80.0
