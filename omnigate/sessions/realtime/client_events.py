@@ -91,6 +91,10 @@ class ItemSpec(msgspec.Struct, frozen=True):
     role: str | None = None
     content: list[ContentPart] = []
     status: str | None = None
+    call_id: str | None = None  # function_call and function_call_output items
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 class ResponseAudioOutput(msgspec.Struct, frozen=True):

@@ -594,6 +594,7 @@ class RealtimeSession:
             id=self._ids("item"), role="assistant", status="in_progress", content=[part], response_id=response.id
         )
         response.item = item
+        response.outputs.append(item)
         self._emit(
             OutputItemAdded(event_id=self._event_id(), response_id=response.id, output_index=0, item=wire_item(item))
         )
