@@ -211,5 +211,13 @@ async def test_transcription_input_is_bounded(http: httpx.AsyncClient) -> None:
     asr = TranscriptionClient(http, f"http://127.0.0.1:{closed_port()}/v1", max_audio_s=1.0)
     with pytest.raises(ValueError, match="sample_rate"):
         await asr.transcribe(bytes(100), 44_100)
-    with pytest.raises(ValueError, match="more than 1 s"):
-        await asr.transcribe(bytes(2 * 24_000 + 2), 24_000)
+    with pytest.raises(ValueError, match="even number"):
+        await asr.transcribe(bytes(3), 24_000)
+
+
+async def test_a_turn_longer_than_the_bound_sends_its_newest_audio(
+    standins: StandinServer, http: httpx.AsyncClient
+) -> None:
+    asr = TranscriptionClient(http, standins.base_url, timeouts=SHORT, max_audio_s=1.0)
+    await asr.transcribe(bytes(2 * 24_000 * 3), 24_000)
+    assert standins.state.stats.asr_audio_s == [1.0]

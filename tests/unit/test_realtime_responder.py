@@ -8,6 +8,9 @@ import msgspec
 import pytest
 
 from omnigate.engines.openai_compat.messages import ChatMessage, ToolCallDelta
+from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.settings import Settings
+from omnigate.gateway.state import Gateway
 from omnigate.sessions.realtime.responder import (
     HistoryItem,
     ResponderInputError,
@@ -15,6 +18,7 @@ from omnigate.sessions.realtime.responder import (
     ToolCallError,
     TurnTiming,
     chat_messages,
+    chat_request,
     chat_tool_choice,
     chat_tools,
 )
@@ -251,3 +255,36 @@ def test_a_text_turn_has_no_transcription_time_and_an_unfinished_turn_no_overhea
     assert "omnigate_asr_ms" not in t.metadata()
     with pytest.raises(ValueError, match="no turn step"):
         timing.mark("nonsense", 1.0)
+
+
+def test_a_response_request_carries_model_tools_and_the_smaller_token_cap() -> None:
+    tools = [{"type": "function", "name": "hang_up"}]
+    request = chat_request(
+        instructions="Be brief.",
+        history=[user("bye")],
+        max_chars=1000,
+        max_tokens=1024,
+        model="qwen",
+        tools=tools,
+        tool_choice="required",
+        max_output_tokens=200,
+    )
+    assert msgspec.to_builtins(request) == {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "bye"}],
+        "model": "qwen",
+        "tools": [{"function": {"name": "hang_up"}, "type": "function"}],
+        "tool_choice": "required",
+        "max_tokens": 200,
+    }
+    plain = msgspec.to_builtins(chat_request(instructions="", history=[user("hi")], max_chars=100, max_tokens=50))
+    assert plain == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+
+
+def test_turn_timings_feed_the_metrics_histogram() -> None:
+    metrics = Metrics(Gateway(Settings()))
+    timing = TurnTiming(start=0.0)
+    timing.mark("transcript_done", 0.15)
+    metrics.observe_responder_turn(timing.timings())
+    text = metrics.render().decode()
+    assert 'omnigate_responder_turn_seconds_count{step="transcript"} 1.0' in text
+    assert 'step="overhead"' not in text

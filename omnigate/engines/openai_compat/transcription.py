@@ -63,11 +63,13 @@ class TranscriptionClient:
         self.max_response_bytes = max_response_bytes
 
     async def transcribe(self, pcm: bytes, sample_rate: int = 24_000, *, language: str | None = None) -> str:
-        """The text of ``pcm`` (mono s16le at 16 or 24 kHz, at most ``max_audio_s``). Raises ServiceError."""
+        """The text of ``pcm`` (mono s16le at 16 or 24 kHz; of a turn longer than ``max_audio_s`` its newest
+        ``max_audio_s`` go). Raises ServiceError."""
         if sample_rate not in SAMPLE_RATES:
             raise ValueError(f"sample_rate must be one of {SAMPLE_RATES}")
-        if len(pcm) > self.max_audio_s * sample_rate * 2:
-            raise ValueError(f"more than {self.max_audio_s:g} s of audio to transcribe")
+        if len(pcm) % 2:
+            raise ValueError("pcm16 audio has an even number of bytes")
+        pcm = pcm[-int(self.max_audio_s * sample_rate) * 2 :]
         t = self.timeouts
         deadline = Deadline("asr", t.total_s)
         fields = {"model": self.model, "response_format": "json"}

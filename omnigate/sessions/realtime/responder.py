@@ -1,5 +1,6 @@
 """What a realtime session's responder asks the LLM and makes of its answer (sans-I/O: plain data in, plain data out).
 
+- :func:`chat_request` is the whole LLM request of a response, from the parts below.
 - :func:`chat_messages` turns the session's instructions and conversation (:class:`HistoryItem`, one per item, in
   order) into chat-completions messages, trimmed oldest-first to a character budget.
 - :func:`chat_tools` and :func:`chat_tool_choice` turn the Realtime tool shape into the chat-completions one.
@@ -27,6 +28,7 @@ import msgspec
 
 from omnigate.engines.openai_compat.messages import (
     ChatMessage,
+    ChatRequest,
     ChatTool,
     FunctionCall,
     FunctionSpec,
@@ -157,6 +159,31 @@ def chat_tool_choice(choice: str | Mapping[str, Any]) -> str | dict[str, Any]:
     if choice.get("type") != "function" or not isinstance(name, str) or not name:
         raise ResponderInputError("tool_choice names a function: {type: function, name}", "tool_choice")
     return {"type": "function", "function": {"name": name}}
+
+
+def chat_request(
+    *,
+    instructions: str,
+    history: Iterable[HistoryItem],
+    max_chars: int,
+    max_tokens: int,
+    model: str | None = None,
+    tools: Sequence[Any] = (),
+    tool_choice: str | Mapping[str, Any] = "auto",
+    max_output_tokens: int | None = None,
+    temperature: float | None = None,
+) -> ChatRequest:
+    """The LLM request of one response: the session's (or the response's) instructions, tools and token cap
+    (``max_output_tokens``, None for ``inf``) under the server's ``max_tokens``. Raises ResponderInputError."""
+    chat = chat_tools(tools)
+    return ChatRequest(
+        messages=chat_messages(instructions, history, max_chars=max_chars),
+        model=model if model is not None else msgspec.UNSET,
+        tools=chat if chat else msgspec.UNSET,
+        tool_choice=chat_tool_choice(tool_choice) if chat else msgspec.UNSET,
+        max_tokens=min(max_tokens, max_output_tokens) if max_output_tokens is not None else max_tokens,
+        temperature=temperature if temperature is not None else msgspec.UNSET,
+    )
 
 
 class ToolCallError(ValueError):
