@@ -20,6 +20,7 @@ from omnigate.engines.registry import load_engine
 from omnigate.engines.vad import VAD_CALL_THREADS
 from omnigate.gateway.realtime.backend import Backend, SessionRefused
 from omnigate.gateway.realtime.duplex_backend import DuplexBackend, DuplexEngineApi
+from omnigate.gateway.realtime.responder_clients import ResponderClients
 from omnigate.gateway.realtime.tts_backend import TtsBackend
 from omnigate.gateway.settings import Settings
 from omnigate.os_threads import named_executor
@@ -70,6 +71,8 @@ class RealtimeService:
         self.duplex = duplex
         self.tts = None if pool.info.capabilities.duplex else pool
         self._owns_duplex = owns_duplex
+        # the LLM and transcription clients of sessions that answer the user (serve --llm-url), None without
+        self.responder = ResponderClients.start(settings.responder) if settings.responder is not None else None
         # Silero scores a 32 ms window in ~0.15 ms of CPU: off the event loop, on a shared pool sized from the cores.
         self.vad_executor = named_executor(vad_threads(), "omnigate-vad")
 
@@ -129,6 +132,11 @@ class RealtimeService:
         if model is not None and model not in served:
             raise SessionRefused("model_not_found", f"model {model!r} is not served on this route")
         return Route(backend=backend, model=model or name, served_models=served)
+
+    async def aclose_services(self) -> None:
+        """Close the responder's connections to the LLM and the transcription server."""
+        if self.responder is not None:
+            await self.responder.aclose()
 
     def close(self) -> None:
         """Stop a duplex engine this service loaded and the VAD pool. Blocking: call from a thread."""
