@@ -84,9 +84,7 @@ def _call_item(kind: str) -> se.WireItem:
         fields = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     else:
         fields = {"output": '{"sky": "clear"}'}
-    return se.WireItem(
-        id="item_3", type=kind, object="realtime.item", status="completed", call_id="call_1", **fields
-    )
+    return se.WireItem(id="item_3", type=kind, object="realtime.item", status="completed", call_id="call_1", **fields)
 
 
 def _response(status: se.ResponseStatus) -> se.WireResponse:

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from omnigate.engines.vad import WINDOW_MS
+from omnigate.sessions.realtime.answer import ResponderPolicy
 from omnigate.sessions.realtime.capabilities import RealtimeCapabilities
 from omnigate.sessions.realtime.client_events import ClientEvent
 from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
@@ -52,8 +53,14 @@ class RecordingEngine:
     def reconfigure(self, config: RealtimeConfig) -> None:
         self.calls.append(("reconfigure", config.voice))
 
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
-        self.calls.append(("speak", text))
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        self.calls.append(("open", response.id))
+
+    def add_speech(self, response: Response, text: str) -> None:
+        self.calls.append(("text", text))
+
+    def close_speech(self, response: Response) -> None:
+        self.calls.append(("close", response.id))
 
     def cancel(self, response: Response) -> None:
         self.calls.append(("cancel", response.id))
@@ -69,7 +76,7 @@ class RecordingEngine:
 
 
 class Harness:
-    def __init__(self, **limits: Any) -> None:
+    def __init__(self, responder: ResponderPolicy | None = None, **limits: Any) -> None:
         self.engine = RecordingEngine()
         self.requests: list[SessionRequest] = []
         self.now = 0.0
@@ -82,6 +89,7 @@ class Harness:
             now=self.now,
             ids=IdSource("t"),
             on_request=self.requests.append,
+            responder=responder,
         )
         self.session.open()
 
@@ -140,7 +148,7 @@ def test_a_response_runs_in_protocol_order_and_ends_once() -> None:
     h = Harness()
     assert types(h.drain()) == ["session.created"]
     response = h.speak("Hello there.")
-    assert ("speak", "Hello there.") in h.engine.calls
+    assert h.engine.calls == [("open", response.id), ("text", "Hello there."), ("close", response.id)]
     h.session.response_text(response, "Hello there.", 2)
     assert h.session.response_audio(response, pcm_ms(100), RATE)
     h.session.finish_response(response, "completed")
@@ -312,7 +320,7 @@ def test_idle_timeout_and_maximum_duration_close_with_their_codes() -> None:
 def scores(h: Harness, *probabilities: float) -> None:
     """Answer the outstanding scoring request with these window probabilities."""
     assert isinstance(h.requests[-1], ScoreSpeech)
-    h.session.speech_scored(list(probabilities))
+    h.session.speech_scored(list(probabilities), h.now)
 
 
 def test_server_vad_asks_for_one_scoring_at_a_time_and_commits_the_turn() -> None:

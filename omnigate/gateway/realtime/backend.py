@@ -75,8 +75,16 @@ class Backend(abc.ABC):
         """Apply a new session configuration (voice, speed). Raises ConfigRefused."""
 
     @abc.abstractmethod
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
-        """Speak ``text`` as ``response`` (text-to-speech engines only)."""
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        """Begin speaking ``response`` (text-to-speech engines only); its text follows in pieces."""
+
+    @abc.abstractmethod
+    def add_speech(self, response: Response, text: str) -> None:
+        """More text of ``response``, spoken as soon as a sentence or clause of it is complete."""
+
+    @abc.abstractmethod
+    def close_speech(self, response: Response) -> None:
+        """The text of ``response`` is complete: speak the rest, then finish it."""
 
     @abc.abstractmethod
     def cancel(self, response: Response) -> None:

@@ -7,8 +7,9 @@ as PCM for the media track instead of ``response.output_audio.delta`` events) an
 
 The protocol's rules live in :class:`omnigate.sessions.realtime.session.RealtimeSession`; this class decodes the
 JSON, binds and releases the backend (which reports back here, as its :class:`ResponseSink`), wakes the writer when
-the core queues output, runs the core's idle and duration deadlines on the loop, and scores speech on the shared
-VAD executor when the core asks.
+the core queues output, runs the core's idle and duration deadlines on the loop, scores speech on the shared VAD
+executor, and runs the transcription and LLM calls the core asks for as tasks it owns (one LLM request at a time;
+all of them cancelled when the session ends, which closes their HTTP streams).
 """
 
 from __future__ import annotations
@@ -17,24 +18,53 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor, Future
+from typing import Any
 
+from omnigate.engines.openai_compat.errors import ServiceError
 from omnigate.engines.vad import SpeechProbability
 from omnigate.gateway.realtime.backend import Backend
 from omnigate.gateway.realtime.protocol import read_client_message
+from omnigate.gateway.realtime.responder_clients import ResponderClients
+from omnigate.sessions.realtime.answer import ResponderPolicy
 from omnigate.sessions.realtime.audio import ENGINE_RATE
 from omnigate.sessions.realtime.config import RealtimeConfig, VoiceResolver
 from omnigate.sessions.realtime.conversation import Conversation, IdSource, Response, ResponseStatus
 from omnigate.sessions.realtime.outbox import RealtimeOutbox, RealtimeOutput
+from omnigate.sessions.realtime.responder import TurnTimings
 from omnigate.sessions.realtime.session import (
     AudioRoute,
+    CancelChat,
     RealtimeLimits,
     RealtimeSession,
     ScoreSpeech,
+    ServiceFailed,
     SessionRequest,
+    StartChat,
+    Transcribe,
+    TurnMeasured,
 )
 
 log = logging.getLogger(__name__)
+
+
+class ResponderReports:
+    """Where a session reports its answered turns and its services' failures (the process's metrics)."""
+
+    def __init__(self, turn: Callable[[TurnTimings], None], failure: Callable[[str], None]) -> None:
+        self.turn = turn
+        self.failure = failure
+
+
+def policy_of(clients: ResponderClients) -> ResponderPolicy:
+    settings = clients.settings
+    return ResponderPolicy(
+        model=settings.llm_model,
+        max_tokens=settings.llm_max_tokens,
+        history_max_chars=settings.history_max_chars,
+        transcription=clients.transcription is not None,
+    )
 
 
 class RealtimeConnection:
@@ -51,9 +81,15 @@ class RealtimeConnection:
         vad_executor: Executor,
         audio_route: AudioRoute = "events",
         ids: IdSource | None = None,
+        responder: ResponderClients | None = None,
+        reports: ResponderReports | None = None,
     ) -> None:
         self.backend = backend
         self.limits = limits
+        self._responder = responder
+        self._reports = reports
+        self._chats: dict[str, asyncio.Task[None]] = {}  # by response id: at most one runs, others are ending
+        self._transcriptions: set[asyncio.Task[None]] = set()
         self._vad_executor = vad_executor
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
@@ -70,6 +106,7 @@ class RealtimeConnection:
             ids=ids,
             on_request=self._on_request,
             on_output=self._on_output,
+            responder=policy_of(responder) if responder is not None else None,
         )
         self._vad: SpeechProbability | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -130,6 +167,8 @@ class RealtimeConnection:
         self.backend.release()
         if self._timer is not None:
             self._timer.cancel()
+        for task in (*self._chats.values(), *self._transcriptions):
+            task.cancel()
         # The session and its backend refer to each other: drop what holds native resources now rather than when
         # the cycle collector next runs a full pass (rarely, in a process holding a model).
         self._vad = None
@@ -160,7 +199,7 @@ class RealtimeConnection:
         return self.core.open_model_response()
 
     def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
-        return self.core.response_audio(response, pcm, sample_rate)
+        return self.core.response_audio(response, pcm, sample_rate, time.monotonic())
 
     def response_text(self, response: Response, text: str, tokens: int) -> None:
         self.core.response_text(response, text, tokens)
@@ -204,6 +243,52 @@ class RealtimeConnection:
                 self._vad = SpeechProbability(ENGINE_RATE)
             future = self._vad_executor.submit(self._vad.process, request.pcm)
             future.add_done_callback(self._vad_finished)
+        elif isinstance(request, StartChat):
+            running = [task for task in self._chats.values() if not task.done()]
+            self._start(self._chat(request, running), f"realtime-chat-{request.response_id}", request.response_id)
+        elif isinstance(request, CancelChat):
+            task = self._chats.get(request.response_id)
+            if task is not None:
+                task.cancel()
+        elif isinstance(request, Transcribe):
+            self._start(self._transcribe(request), f"realtime-asr-{request.item_id}", None)
+        elif isinstance(request, TurnMeasured):
+            if self._reports is not None:
+                self._reports.turn(request.timings)
+        elif isinstance(request, ServiceFailed) and self._reports is not None:
+            self._reports.failure(request.code)
+
+    def _start(self, work: Coroutine[Any, Any, None], name: str, chat_of: str | None) -> None:
+        if self._released:
+            work.close()
+            return
+        task = self._loop.create_task(work, name=name)
+        if chat_of is None:
+            self._transcriptions.add(task)
+            task.add_done_callback(self._transcriptions.discard)
+        else:
+            self._chats[chat_of] = task
+            task.add_done_callback(lambda _: self._chats.pop(chat_of, None))
+
+    async def _chat(self, request: StartChat, earlier: list[asyncio.Task[None]]) -> None:
+        assert self._responder is not None
+        if earlier:
+            await asyncio.wait(earlier)  # a cancelled request closes its stream before the next one opens
+        try:
+            async with self._responder.chat.stream(request.request) as deltas:
+                async for delta in deltas:
+                    self.core.chat_delta(request.response_id, delta, time.monotonic())
+        except ServiceError as exc:
+            self.core.chat_failed(request.response_id, exc.code, exc.message)
+
+    async def _transcribe(self, request: Transcribe) -> None:
+        assert self._responder is not None and self._responder.transcription is not None
+        try:
+            transcript = await self._responder.transcription.transcribe(request.pcm, ENGINE_RATE)
+        except ServiceError as exc:
+            self.core.transcription_failed(request.item_id, exc.code, exc.message)
+        else:
+            self.core.transcribed(request.item_id, transcript, time.monotonic())
 
     def _vad_finished(self, future: Future[list[float]]) -> None:
         # On the executor's thread: hand the result to the loop, unless the loop is already gone (shutdown).
@@ -217,7 +302,7 @@ class RealtimeConnection:
             log.exception("voice activity detection failed")
             self.core.scoring_failed()
             return
-        self.core.speech_scored(probabilities)
+        self.core.speech_scored(probabilities, time.monotonic())
 
     def _arm_timer(self, deadline: float | None) -> None:
         if deadline is not None and not self._released:

@@ -75,7 +75,13 @@ class DuplexBackend(Backend):
     def reconfigure(self, config: RealtimeConfig) -> None:
         """The model's voice is its own and it has no speed control: the config rules refuse changes to them."""
 
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        raise RuntimeError("a duplex model does not speak given text")
+
+    def add_speech(self, response: Response, text: str) -> None:
+        raise RuntimeError("a duplex model does not speak given text")
+
+    def close_speech(self, response: Response) -> None:
         raise RuntimeError("a duplex model does not speak given text")
 
     def cancel(self, response: Response) -> None:

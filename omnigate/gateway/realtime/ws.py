@@ -64,6 +64,8 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
                 served_models=route.served_models,
                 resolve_voice=lambda name: session_voice(service, info.native_duplex, name),
                 vad_executor=service.vad_executor,
+                responder=service.responder,
+                reports=service.reports,
             )
             try:
                 connection.open()

@@ -257,6 +257,8 @@ class WebRtcCall:
             resolve_voice=lambda name: session_voice(service, duplex, name),
             vad_executor=service.vad_executor,
             audio_route="track",
+            responder=service.responder,
+            reports=service.reports,
         )
         try:
             connection.open()

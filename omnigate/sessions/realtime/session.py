@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Literal, Protocol
 
 import msgspec
 
+from omnigate.engines.openai_compat.messages import ChatDelta, ChatFinish, ChatRequest, ToolCallDelta
+from omnigate.engines.openai_compat.messages import TextDelta as ChatText
 from omnigate.engines.vad import WINDOW_MS
+from omnigate.sessions.realtime.answer import Answer, ResponderPolicy, history
 from omnigate.sessions.realtime.audio import (
     ENGINE_RATE,
     InputConverter,
@@ -54,6 +58,7 @@ from omnigate.sessions.realtime.client_events import (
     OutputAudioBufferClear,
     ResponseCancel,
     ResponseCreate,
+    ResponseParams,
     SessionUpdate,
 )
 from omnigate.sessions.realtime.config import (
@@ -85,12 +90,22 @@ from omnigate.sessions.realtime.outbox import (
     RealtimeOutbox,
     RealtimeOutput,
 )
+from omnigate.sessions.realtime.responder import (
+    ResponderInputError,
+    ToolCallAssembler,
+    ToolCallError,
+    TurnTiming,
+    TurnTimings,
+    chat_request,
+)
 from omnigate.sessions.realtime.server_events import (
     AudioDelta,
     AudioDone,
     ContentPartAdded,
     ContentPartDone,
     ErrorEvent,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
     InputCleared,
     InputCommitted,
     ItemAdded,
@@ -112,11 +127,16 @@ from omnigate.sessions.realtime.server_events import (
     TextDone,
     TranscriptDelta,
     TranscriptDone,
+    TranscriptionCompleted,
+    TranscriptionFailed,
     WireError,
     WirePart,
     WireSession,
+    WireTranscriptionError,
+    WireTranscriptionUsage,
     encode_event,
 )
+from omnigate.sessions.realtime.turn_audio import BYTES_PER_MS, TurnAudio
 from omnigate.sessions.realtime.turns import SpeechStarted as TurnStarted
 from omnigate.sessions.realtime.turns import TurnDetector
 from omnigate.sessions.realtime.wire import wire_item, wire_response
@@ -168,7 +188,42 @@ class ScoreSpeech(msgspec.Struct, frozen=True):
     pcm: bytes
 
 
-SessionRequest = ScoreSpeech
+class Transcribe(msgspec.Struct, frozen=True):
+    """Transcribe the audio of user item ``item_id``; answer with :meth:`RealtimeSession.transcribed` (or
+    :meth:`RealtimeSession.transcription_failed`)."""
+
+    item_id: str
+    pcm: bytes  # 24 kHz mono s16le
+
+
+class StartChat(msgspec.Struct, frozen=True):
+    """Send ``request`` to the LLM, streamed, for response ``response_id``; hand each delta to
+    :meth:`RealtimeSession.chat_delta` (or a failure to :meth:`RealtimeSession.chat_failed`). A session has one
+    such request at a time: an earlier one of the session has ended, or been cancelled, before this one goes out."""
+
+    response_id: str
+    request: ChatRequest
+
+
+class CancelChat(msgspec.Struct, frozen=True):
+    """Stop the LLM request of ``response_id`` now (close its HTTP stream); nothing more of it is wanted."""
+
+    response_id: str
+
+
+class TurnMeasured(msgspec.Struct, frozen=True):
+    """An answered turn's latencies, for the metrics."""
+
+    timings: TurnTimings
+
+
+class ServiceFailed(msgspec.Struct, frozen=True):
+    """The LLM or the transcription service failed a turn with ``code``, for the metrics."""
+
+    code: str
+
+
+SessionRequest = ScoreSpeech | Transcribe | StartChat | CancelChat | TurnMeasured | ServiceFailed
 
 
 class EngineSide(Protocol):
@@ -184,8 +239,14 @@ class EngineSide(Protocol):
     def reconfigure(self, config: RealtimeConfig) -> None:
         """Apply voice, speed and instructions. Raises ConfigRefused."""
 
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
-        """Speak ``text`` as ``response`` (text-to-speech engines only)."""
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        """Begin speaking ``response`` (text-to-speech engines only); its text follows in pieces."""
+
+    def add_speech(self, response: Response, text: str) -> None:
+        """More text of ``response``: spoken as soon as a sentence or clause of it is complete."""
+
+    def close_speech(self, response: Response) -> None:
+        """The text of ``response`` is complete: speak the rest, then end it (``finish_response``)."""
 
     def cancel(self, response: Response) -> None:
         """Stop producing ``response`` now."""
@@ -220,9 +281,18 @@ class RealtimeSession:
         ids: IdSource | None = None,
         on_request: Callable[[SessionRequest], None] = _nothing,
         on_output: Callable[[], None] | None = None,
+        responder: ResponderPolicy | None = None,
     ) -> None:
         self.engine = engine
-        self.caps = engine.capabilities
+        caps = engine.capabilities
+        if caps.native_duplex:
+            responder = None  # a duplex model answers by itself
+        if responder is not None:
+            caps = msgspec.structs.replace(
+                caps, create_response=True, tools=True, input_transcription=responder.transcription
+            )
+        self.caps = caps
+        self.responder = responder
         self.limits = limits
         self.audio_route = audio_route
         self.on_request = on_request
@@ -254,6 +324,11 @@ class RealtimeSession:
         self._detector: TurnDetector | None = None
         self._vad_queue = bytearray()
         self._scoring = False
+        self._turn_audio = TurnAudio(limits.input_max_bytes)
+        self._answer: Answer | None = None
+        self._transcribing: dict[str, tuple[Item, float]] = {}  # user items awaiting their transcript, audio seconds
+        self._turn_timings: dict[str, TurnTiming] = {}  # of the items being transcribed
+        self._next_timing: TurnTiming | None = None  # of the newest turn, for the response that answers it
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -306,13 +381,18 @@ class RealtimeSession:
             self.closed = True
             if self._active is not None:
                 self.engine.cancel(self._active)
+            self._stop_chat()
 
     def release(self) -> None:
-        """Drop what the session holds (the adapter has freed the engine). Idempotent."""
+        """Drop what the session holds (the adapter has freed the engine and ended its requests). Idempotent."""
         self.closed = True
         self._detector = None
         self._vad_queue.clear()
         self._converters.clear()
+        self._turn_audio.restart()
+        self._answer = None
+        self._transcribing.clear()
+        self._turn_timings.clear()
 
     def end(self, code: str, message: str) -> bool:
         """End the session from the server's side (a drain): a response in progress is cancelled, its
@@ -329,6 +409,7 @@ class RealtimeSession:
             return
         if self._active is not None:
             self.engine.cancel(self._active)
+        self._stop_chat()
         self.closed = True
         error = ErrorEvent(event_id=self._event_id(), error=WireError(type="server_error", code=code, message=message))
         closing = Closing(code, code, CLOSE_CODES.get(code, 1011))
@@ -350,7 +431,7 @@ class RealtimeSession:
             self._error(event.code, event.message, event.event_id, param=event.param)
             return
         try:
-            self._dispatch(event)
+            self._dispatch(event, now)
         except (ConfigRefused, ConversationError) as exc:
             self._error(exc.code, exc.message, event.event_id, param=exc.param)
         except InvalidAudio as exc:
@@ -367,13 +448,13 @@ class RealtimeSession:
             self.last_activity = now
             self._ingest(pcm, None)
 
-    def _dispatch(self, event: ClientEvent) -> None:
+    def _dispatch(self, event: ClientEvent, now: float) -> None:
         if isinstance(event, InputAudioBufferAppend):
             self._on_append(event)
         elif isinstance(event, SessionUpdate):
             self._on_session_update(event)
         elif isinstance(event, ResponseCreate):
-            self._on_response_create(event)
+            self._on_response_create(event, now)
         elif isinstance(event, ResponseCancel):
             self._on_response_cancel(event)
         elif isinstance(event, ConversationItemCreate):
@@ -395,10 +476,12 @@ class RealtimeSession:
             item = self.conversation.get(event.item_id)
             self._emit(ItemRetrieved(event_id=self._event_id(), item=wire_item(item)))
         elif isinstance(event, InputAudioBufferCommit):
-            self._on_commit(event)
+            self._on_commit(event, now)
         elif isinstance(event, InputAudioBufferClear):
             self.engine.clear_input()
             self._pending_input_bytes = 0
+            if self._detector is None:
+                self._turn_audio.take_all()
             self._emit(InputCleared(event_id=self._event_id()))
         elif isinstance(event, OutputAudioBufferClear):
             self._on_output_clear()
@@ -462,19 +545,21 @@ class RealtimeSession:
                 event_id,
             )
             return
+        if self.responder is not None and self.responder.transcription and not self.caps.native_duplex:
+            self._turn_audio.add(pcm)
         if self._detector is not None:
             self._vad_feed(pcm)
 
-    def _on_commit(self, event: InputAudioBufferCommit) -> None:
+    def _on_commit(self, event: InputAudioBufferCommit, now: float) -> None:
         if not self.caps.client_commit:
             raise ConfigRefused(
                 "unsupported", "the duplex model consumes audio as it arrives; there is no buffer to commit"
             )
         if self._pending_input_bytes == 0:
             raise ConfigRefused("input_audio_buffer_commit_empty", "the input audio buffer is empty")
-        self._commit_turn(self._user_item_id or self._ids("item"))
+        self._commit_turn(self._user_item_id or self._ids("item"), self._turn_audio.take_all(), now)
 
-    def _commit_turn(self, item_id: str) -> None:
+    def _commit_turn(self, item_id: str, pcm: bytes, now: float) -> None:
         self._pending_input_bytes = 0
         self._user_item_id = None
         item = Item(id=item_id, role="user", status="completed", content=[Part(type="input_audio")])
@@ -482,6 +567,13 @@ class RealtimeSession:
         self._emit(InputCommitted(event_id=self._event_id(), item_id=item_id, previous_item_id=previous))
         self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
         self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
+        responder = self.responder
+        if responder is None or not responder.transcription or not pcm:
+            return  # without a transcript the LLM cannot hear an audio turn
+        self._transcribe(item, pcm, now)
+        td = self.config.turn_detection
+        if td is not None and td.create_response and self._active is None and item.id in self._transcribing:
+            self._answer_now(self._session_response_settings(), None, now)
 
     def _on_item_create(self, event: ConversationItemCreate) -> None:
         if not self.caps.speaks_text_items:
@@ -494,6 +586,8 @@ class RealtimeSession:
         self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
 
     def _client_item(self, spec: ItemSpec) -> Item:
+        if spec.type in ("function_call", "function_call_output") and self.responder is not None:
+            return self._client_call_item(spec)
         if spec.type != "message":
             raise ConfigRefused("unsupported", f"item type {spec.type!r} is not served (no tools)", "item.type")
         allowed = {
@@ -520,9 +614,39 @@ class RealtimeSession:
             raise ConfigRefused("invalid_value", "item.id must be 1..64 characters", "item.id")
         return Item(id=spec.id or self._ids("item"), role=_ROLES[spec.role], status="completed", content=parts)
 
+    def _client_call_item(self, spec: ItemSpec) -> Item:
+        """A tool call's output the client adds (or a call it adds to the history itself)."""
+        if not spec.call_id:
+            raise ConfigRefused("invalid_value", f"a {spec.type} item names its call_id", "item.call_id")
+        if spec.id is not None and not 1 <= len(spec.id) <= 64:
+            raise ConfigRefused("invalid_value", "item.id must be 1..64 characters", "item.id")
+        item_id = spec.id or self._ids("item")
+        if spec.type == "function_call":
+            if not spec.name:
+                raise ConfigRefused("invalid_value", "a function_call item names its function", "item.name")
+            return Item(
+                id=item_id,
+                role="assistant",
+                status="completed",
+                content=[],
+                type="function_call",
+                call_id=spec.call_id,
+                name=spec.name,
+                arguments=spec.arguments or "{}",
+            )
+        return Item(
+            id=item_id,
+            role="user",
+            status="completed",
+            content=[],
+            type="function_call_output",
+            call_id=spec.call_id,
+            output=spec.output or "",
+        )
+
     # ---- responses ----------------------------------------------------------------------------------------------
 
-    def _on_response_create(self, event: ResponseCreate) -> None:
+    def _on_response_create(self, event: ResponseCreate, now: float) -> None:
         if not self.caps.speaks_text_items:
             raise ConfigRefused(
                 "unsupported", "the duplex model decides itself when to speak; response.create is not served"
@@ -533,6 +657,9 @@ class RealtimeSession:
             )
         settings = response_settings(self.config, event.response, self.caps, self._resolve_voice)
         inline = event.response.input if event.response is not None else None
+        if self.responder is not None and inline is None:
+            self._answer_now(settings, event.response, now)
+            return
         spoken: list[Item] = []
         if inline is None:
             spoken = self.conversation.unspoken_assistant_text()
@@ -551,7 +678,9 @@ class RealtimeSession:
             item.spoken = True
         response = self._begin_response(settings)
         response.input_text_tokens = len(text.split())
-        self.engine.speak(response, text, settings)
+        self.engine.open_speech(response, settings)
+        self.engine.add_speech(response, text)
+        self.engine.close_speech(response)
 
     def _inline_text(self, spec: ItemSpec) -> str:
         if spec.type == "item_reference":
@@ -564,8 +693,12 @@ class RealtimeSession:
         """A natively duplex model began to speak: open a response for it (None: no output wanted)."""
         if self.closed or self._active is not None:
             return None
+        return self._begin_response(self._session_response_settings())
+
+    def _session_response_settings(self) -> ResponseSettings:
+        """A response the server starts itself runs with the session's settings."""
         config = self.config
-        settings = ResponseSettings(
+        return ResponseSettings(
             output_modalities=config.output_modalities,
             voice=config.voice,
             output_format=config.output_format,
@@ -573,7 +706,251 @@ class RealtimeSession:
             in_conversation=True,
             metadata=None,
         )
-        return self._begin_response(settings)
+
+    # ---- answering with the LLM ---------------------------------------------------------------------------------
+
+    def _transcribe(self, item: Item, pcm: bytes, now: float) -> None:
+        assert self.responder is not None
+        if len(self._transcribing) >= self.responder.max_pending_transcriptions:
+            message = f"more than {self.responder.max_pending_transcriptions} turns are waiting for transcription"
+            self._transcription_error(item.id, "asr_backlog", message)
+            return
+        timing = TurnTiming(now)
+        timing.mark("asr_sent", now)
+        self._transcribing[item.id] = (item, len(pcm) / BYTES_PER_MS / 1000.0)
+        self._turn_timings[item.id] = timing
+        self._next_timing = timing
+        self.on_request(Transcribe(item.id, pcm))
+
+    def transcribed(self, item_id: str, transcript: str, now: float) -> None:
+        """The answer to :class:`Transcribe`: the turn's words."""
+        pending = self._transcribing.pop(item_id, None)
+        timing = self._turn_timings.pop(item_id, None)
+        if pending is None or self.closed:
+            return
+        item, seconds = pending
+        if timing is not None:
+            timing.mark("transcript_done", now)
+        item.content[0].transcript = transcript
+        self._emit(
+            TranscriptionCompleted(
+                event_id=self._event_id(),
+                item_id=item_id,
+                content_index=0,
+                transcript=transcript,
+                usage=WireTranscriptionUsage(seconds=round(seconds, 3)),
+            )
+        )
+        answer = self._answer
+        if answer is not None and answer.waiting and not self._transcribing:
+            answer.waiting = False
+            self._ask(answer, now)
+
+    def transcription_failed(self, item_id: str, code: str, message: str) -> None:
+        """:class:`Transcribe` failed (the service is down, slow or answered garbage): the turn has no words."""
+        if self._transcribing.pop(item_id, None) is None or self.closed:
+            return
+        self._turn_timings.pop(item_id, None)
+        self._transcription_error(item_id, code, message)
+        answer = self._answer
+        if answer is not None and answer.waiting:
+            self._fail_answer(answer, code, message)
+
+    def _transcription_error(self, item_id: str, code: str, message: str) -> None:
+        self._emit(
+            TranscriptionFailed(
+                event_id=self._event_id(),
+                item_id=item_id,
+                content_index=0,
+                error=WireTranscriptionError(type="server_error", code=code, message=message),
+            )
+        )
+        self._error(code, message, None, error_type="server_error")
+        self.on_request(ServiceFailed(code))
+
+    def _answer_now(self, settings: ResponseSettings, params: ResponseParams | None, now: float) -> None:
+        """Start a response the LLM writes; it asks once the transcripts of the user's turns are in."""
+        config = self.config
+        timing = self._next_timing or TurnTiming(now)
+        self._next_timing = None
+        response = self._begin_response(settings)
+        answer = Answer(
+            response=response,
+            settings=settings,
+            timing=timing,
+            assembler=ToolCallAssembler(lambda: self._ids("call")),
+            instructions=params.instructions if params and params.instructions is not None else config.instructions,
+            tools=tuple(params.tools) if params and params.tools is not None else config.passthrough.tools,
+            tool_choice=(
+                params.tool_choice if params and params.tool_choice is not None else config.passthrough.tool_choice
+            ),
+            temperature=(
+                params.temperature if params and params.temperature is not None else config.passthrough.temperature
+            ),
+        )
+        self._answer = answer
+        if self._transcribing:
+            answer.waiting = True
+        else:
+            self._ask(answer, now)
+
+    def _ask(self, answer: Answer, now: float) -> None:
+        policy = self.responder
+        assert policy is not None
+        response = answer.response
+        try:
+            request = chat_request(
+                instructions=answer.instructions,
+                history=history(item for item in self.conversation if item.response_id != response.id),
+                max_chars=policy.history_max_chars,
+                max_tokens=policy.max_tokens,
+                model=policy.model,
+                tools=answer.tools,
+                tool_choice=answer.tool_choice,
+                max_output_tokens=response.max_output_tokens,
+                temperature=answer.temperature,
+            )
+        except ResponderInputError as exc:
+            self._fail_answer(answer, "invalid_tools", f"{exc} ({exc.param})")
+            return
+        # Until the LLM reports its usage, the request's words stand for its tokens.
+        response.input_text_tokens = sum(len((message.content or "").split()) for message in request.messages)
+        answer.timing.mark("llm_sent", now)
+        answer.chatting = True
+        self.on_request(StartChat(response.id, request))
+
+    def chat_delta(self, response_id: str, delta: ChatDelta, now: float) -> None:
+        """One piece of the LLM's streamed reply to :class:`StartChat`."""
+        answer = self._answer
+        if answer is None or answer.response.id != response_id or not answer.chatting or self.closed:
+            return
+        response = answer.response
+        if isinstance(delta, ChatText):
+            answer.timing.mark("first_token", now)
+            if not delta.text:
+                return
+            if not answer.speaking:
+                answer.speaking = True
+                self.engine.open_speech(response, answer.settings)
+            answer.note_text(delta.text, now)
+            self.engine.add_speech(response, delta.text)
+        elif isinstance(delta, ToolCallDelta):
+            answer.timing.mark("first_token", now)
+            self._tool_call_delta(answer, delta)
+        elif isinstance(delta, ChatFinish):
+            self._chat_finished(answer, delta)
+
+    def _tool_call_delta(self, answer: Answer, delta: ToolCallDelta) -> None:
+        response = answer.response
+        try:
+            call_id = answer.assembler.add(delta)
+        except ToolCallError as exc:
+            self._fail_answer(answer, "llm_bad_response", str(exc))
+            return
+        item = answer.calls.get(call_id)
+        if item is None:
+            item = Item(
+                id=self._ids("item"),
+                role="assistant",
+                status="in_progress",
+                content=[],
+                response_id=response.id,
+                type="function_call",
+                call_id=call_id,
+                name=delta.name or "",
+            )
+            answer.calls[call_id] = item
+            response.outputs.append(item)
+            self._emit(
+                OutputItemAdded(
+                    event_id=self._event_id(),
+                    response_id=response.id,
+                    output_index=len(response.outputs) - 1,
+                    item=wire_item(item),
+                )
+            )
+            if response.in_conversation:
+                previous = self.conversation.add(item)
+                self._previous[item.id] = previous
+                self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
+        if delta.arguments:
+            item.arguments += delta.arguments
+            self._emit(
+                FunctionCallArgumentsDelta(
+                    event_id=self._event_id(),
+                    response_id=response.id,
+                    item_id=item.id,
+                    output_index=response.outputs.index(item),
+                    call_id=call_id,
+                    delta=delta.arguments,
+                )
+            )
+
+    def _chat_finished(self, answer: Answer, finish: ChatFinish) -> None:
+        response = answer.response
+        try:
+            calls = answer.assembler.complete()
+        except ToolCallError as exc:
+            self._fail_answer(answer, "llm_bad_response", str(exc))
+            return
+        answer.chatting = False
+        if finish.usage is not None:
+            response.input_text_tokens = finish.usage.prompt_tokens
+            answer.completion_tokens = finish.usage.completion_tokens
+        answer.cut_by_llm = finish.finish_reason == "length"
+        for call in calls:
+            item = answer.calls[call.id]
+            item.name = call.function.name
+            item.arguments = call.function.arguments
+            item.status = "completed"
+            index = response.outputs.index(item)
+            self._emit(
+                FunctionCallArgumentsDone(
+                    event_id=self._event_id(),
+                    response_id=response.id,
+                    item_id=item.id,
+                    output_index=index,
+                    call_id=call.id,
+                    name=item.name,
+                    arguments=item.arguments,
+                )
+            )
+            self._emit(
+                OutputItemDone(
+                    event_id=self._event_id(), response_id=response.id, output_index=index, item=wire_item(item)
+                )
+            )
+            if response.in_conversation:
+                previous = self._previous.pop(item.id, None)
+                self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
+        if answer.speaking:
+            self.engine.close_speech(response)  # the engine ends the response once the rest is spoken
+        else:
+            self.finish_response(response, "completed")
+
+    def chat_failed(self, response_id: str, code: str, message: str) -> None:
+        """:class:`StartChat` failed (unreachable, timed out, an error or garbage): the response fails, typed."""
+        answer = self._answer
+        if answer is not None and answer.response.id == response_id and answer.chatting and not self.closed:
+            answer.chatting = False
+            self._fail_answer(answer, code, message)
+
+    def _fail_answer(self, answer: Answer, code: str, message: str) -> None:
+        """A typed error, then the response ends failed with nothing of it left queued."""
+        response = answer.response
+        self._error(code, message, None, error_type="server_error")
+        self.on_request(ServiceFailed(code))
+        self.engine.cancel(response)
+        dropped = self.outbox.purge_audio(response.id)
+        if dropped:
+            self.engine.released_audio(dropped)
+        self.finish_response(response, "failed", error=(code, message))
+
+    def _stop_chat(self) -> None:
+        answer = self._answer
+        if answer is not None and answer.chatting:
+            answer.chatting = False
+            self.on_request(CancelChat(answer.response.id))
 
     def _begin_response(self, settings: ResponseSettings) -> Response:
         response = Response(
@@ -620,8 +997,9 @@ class RealtimeSession:
                 self._audio_items.pop(next(iter(self._audio_items)))
         return response
 
-    def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
-        """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only)."""
+    def response_audio(self, response: Response, pcm: bytes, sample_rate: int, now: float | None = None) -> bool:
+        """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only).
+        ``now`` times a reply's first audio."""
         converter = self._converters.get(response.id)
         if response.done or self.closed or converter is None:
             return False
@@ -630,6 +1008,10 @@ class RealtimeSession:
         ms = len(pcm) / 2 * 1000.0 / sample_rate
         item.audio_ms += ms
         response.output_audio_ms += ms
+        answer = self._answer
+        if now is not None and answer is not None and answer.response is response:
+            answer.timing.mark("tts_first_audio", now)
+            answer.timing.mark("first_audio_out", now)  # queued for the transport, which takes it in order
         self._queue_audio(response, item, converter.convert(pcm))
         return True
 
@@ -702,6 +1084,10 @@ class RealtimeSession:
         """End ``response``; ignored when it already ended."""
         if response.done:
             return
+        answer = self._answer
+        if answer is not None and answer.response is response:
+            self._answer = None
+            status, reason = self._end_answer(answer, status, reason)
         response.status = status
         response.reason = reason
         response.error = error
@@ -717,11 +1103,39 @@ class RealtimeSession:
         for event in self._closing_events(response, item):
             self._emit(event, terminal=True)
 
+    def _end_answer(
+        self, answer: Answer, status: ResponseStatus, reason: str | None
+    ) -> tuple[ResponseStatus, str | None]:
+        """What ending a response the LLM wrote adds: its request stops, its usage and timings are final."""
+        response = answer.response
+        if answer.chatting:
+            answer.chatting = False
+            self.on_request(CancelChat(response.id))
+        if status == "completed" and answer.cut_by_llm:
+            status, reason = "incomplete", "max_output_tokens"
+        if answer.completion_tokens is not None:
+            response.output_text_tokens = answer.completion_tokens
+        timings = answer.timing.timings()
+        response.metadata = {**(response.metadata or {}), **timings.metadata()}
+        if status == "completed":
+            self.on_request(TurnMeasured(timings))
+        return status, reason
+
     def _closing_events(self, response: Response, item: Item) -> list[ServerEvent]:
         """The events that end a response, in protocol order, ``response.done`` last."""
         part = item.content[0]
         rid, iid = response.id, item.id
         events: list[ServerEvent] = []
+        for index, call in enumerate(response.outputs):
+            if call.type == "function_call" and call.status == "in_progress":
+                # A call cut off with its response ends incomplete; the client does not run it.
+                call.status = "incomplete"
+                events.append(
+                    OutputItemDone(event_id=self._event_id(), response_id=rid, output_index=index, item=wire_item(call))
+                )
+                if response.in_conversation:
+                    previous = self._previous.pop(call.id, None)
+                    events.append(ItemDone(event_id=self._event_id(), item=wire_item(call), previous_item_id=previous))
         if part.type == "output_audio":
             transcript = part.transcript or ""
             events.append(
@@ -780,10 +1194,16 @@ class RealtimeSession:
         active = self._active
         if active is not None:
             self.engine.cancel(active)
+            self._stop_chat()
         dropped = self.outbox.purge_audio(None if purge_all else (active.id if active else ""))
         if dropped:
             self.engine.released_audio(dropped)
         if active is not None:
+            answered = self._answer is not None and self._answer.response is active
+            if answered and active.item is not None and active.in_conversation:
+                # What the LLM is told it said next time is what the user was sent of it.
+                with contextlib.suppress(ConversationError):
+                    self.conversation.truncate(active.item.id, 0, int(active.item.sent_ms))
             self.finish_response(active, "cancelled", reason)
 
     # ---- server VAD -----------------------------------------------------------------------------------------------
@@ -798,6 +1218,7 @@ class RealtimeSession:
             # A duplex engine consumes the audio as it comes; a turn-based session buffers up to the input cap.
             max_turn_ms = None if self.caps.native_duplex else self.limits.input_max_bytes / 2 * 1000.0 / ENGINE_RATE
             self._detector = TurnDetector(td.settings, WINDOW_MS, max_turn_ms)
+            self._turn_audio.restart()
         else:
             self._detector.settings = td.settings
 
@@ -826,7 +1247,7 @@ class RealtimeSession:
         if not self.closed:
             self._request_scoring()
 
-    def speech_scored(self, probabilities: list[float]) -> None:
+    def speech_scored(self, probabilities: list[float], now: float) -> None:
         """The answer to the outstanding :class:`ScoreSpeech`: one speech probability per window."""
         self._scoring = False
         if self.closed:
@@ -839,14 +1260,16 @@ class RealtimeSession:
             if isinstance(turn, TurnStarted):
                 self._on_speech_started(turn.audio_start_ms)
             elif turn is not None:
-                self._on_speech_stopped(turn.audio_end_ms, forced=turn.forced)
+                self._on_speech_stopped(turn.audio_end_ms, now, forced=turn.forced)
         if self._detector is not None and not self._detector.speaking and not self.caps.native_duplex:
             # Outside a turn the buffer holds only the prefix padding a turn would start with.
-            prefix = self._detector.settings.prefix_padding_ms * ENGINE_RATE * 2 // 1000
-            self._pending_input_bytes = min(self._pending_input_bytes, prefix)
+            padding_ms = self._detector.settings.prefix_padding_ms
+            self._pending_input_bytes = min(self._pending_input_bytes, padding_ms * ENGINE_RATE * 2 // 1000)
+            self._turn_audio.keep_from(self._detector.position_ms - padding_ms)
         self._request_scoring()
 
     def _on_speech_started(self, audio_start_ms: int) -> None:
+        self._turn_audio.keep_from(audio_start_ms)
         self._user_item_id = self._ids("item")
         self._emit(SpeechStarted(event_id=self._event_id(), audio_start_ms=audio_start_ms, item_id=self._user_item_id))
         td = self.config.turn_detection
@@ -854,7 +1277,7 @@ class RealtimeSession:
             # Barge-in: the user talks over the assistant, so nothing queued for playback should play.
             self._cancel_active("turn_detected", purge_all=True)
 
-    def _on_speech_stopped(self, audio_end_ms: int, *, forced: bool = False) -> None:
+    def _on_speech_stopped(self, audio_end_ms: int, now: float, *, forced: bool = False) -> None:
         if forced:
             limit_s = self.limits.input_max_bytes / 2 / ENGINE_RATE
             self._error(
@@ -866,7 +1289,7 @@ class RealtimeSession:
             )
         item_id = self._user_item_id or self._ids("item")
         self._emit(SpeechStopped(event_id=self._event_id(), audio_end_ms=audio_end_ms, item_id=item_id))
-        self._commit_turn(item_id)
+        self._commit_turn(item_id, self._turn_audio.take_until(audio_end_ms), now)
 
     # ---- output -------------------------------------------------------------------------------------------------
 
