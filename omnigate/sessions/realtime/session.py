@@ -480,8 +480,7 @@ class RealtimeSession:
         elif isinstance(event, InputAudioBufferClear):
             self.engine.clear_input()
             self._pending_input_bytes = 0
-            if self._detector is None:
-                self._turn_audio.take_all()
+            self._turn_audio.take_all()
             self._emit(InputCleared(event_id=self._event_id()))
         elif isinstance(event, OutputAudioBufferClear):
             self._on_output_clear()
