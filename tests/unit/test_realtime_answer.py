@@ -9,13 +9,7 @@ from omnigate.engines.openai_compat.messages import ChatFinish, TextDelta, ToolC
 from omnigate.engines.vad import WINDOW_MS
 from omnigate.sessions.realtime.answer import ResponderPolicy
 from omnigate.sessions.realtime.conversation import Response
-from omnigate.sessions.realtime.session import (
-    CancelChat,
-    ServiceFailed,
-    StartChat,
-    Transcribe,
-    TurnMeasured,
-)
+from omnigate.sessions.realtime.requests import CancelChat, ServiceFailed, StartChat, Transcribe, TurnMeasured
 from omnigate.sessions.realtime.turn_audio import TurnAudio
 from tests.unit.test_realtime_session import RATE, Harness, append, event, pcm_ms, types
 

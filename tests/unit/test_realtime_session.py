@@ -16,13 +16,8 @@ from omnigate.sessions.realtime.client_events import ClientEvent
 from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
 from omnigate.sessions.realtime.conversation import IdSource, Response
 from omnigate.sessions.realtime.outbox import Closing, OutgoingEvent
-from omnigate.sessions.realtime.session import (
-    RealtimeLimits,
-    RealtimeSession,
-    ScoreSpeech,
-    SessionRequest,
-    UnreadableEvent,
-)
+from omnigate.sessions.realtime.requests import ScoreSpeech, SessionRequest
+from omnigate.sessions.realtime.session import RealtimeLimits, RealtimeSession, UnreadableEvent
 from tests.unit.test_realtime_protocol import validate_server_event
 
 RATE = 24000

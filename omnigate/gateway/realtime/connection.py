@@ -32,12 +32,8 @@ from omnigate.sessions.realtime.audio import ENGINE_RATE
 from omnigate.sessions.realtime.config import RealtimeConfig, VoiceResolver
 from omnigate.sessions.realtime.conversation import Conversation, IdSource, Response, ResponseStatus
 from omnigate.sessions.realtime.outbox import RealtimeOutbox, RealtimeOutput
-from omnigate.sessions.realtime.responder import TurnTimings
-from omnigate.sessions.realtime.session import (
-    AudioRoute,
+from omnigate.sessions.realtime.requests import (
     CancelChat,
-    RealtimeLimits,
-    RealtimeSession,
     ScoreSpeech,
     ServiceFailed,
     SessionRequest,
@@ -45,6 +41,8 @@ from omnigate.sessions.realtime.session import (
     Transcribe,
     TurnMeasured,
 )
+from omnigate.sessions.realtime.responder import TurnTimings
+from omnigate.sessions.realtime.session import AudioRoute, RealtimeLimits, RealtimeSession
 
 log = logging.getLogger(__name__)
 
