@@ -94,7 +94,7 @@ class Harness:
     def drain(self) -> list[dict[str, Any]]:
         """Everything queued, as the transport would take it; the events are validated against the SDK's models."""
         events = []
-        while (output := self.session.take_output()) is not None:
+        while (output := self.session.take_output(self.now)) is not None:
             if isinstance(output, Closing):
                 events.append({"type": "<closed>", "code": output.code, "close_code": output.close_code})
                 continue

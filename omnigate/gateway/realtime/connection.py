@@ -146,7 +146,7 @@ class RealtimeConnection:
     async def next_output(self) -> RealtimeOutput:
         """The next thing to send; :class:`Closing` is the last."""
         while True:
-            output = self.core.take_output()
+            output = self.core.take_output(time.monotonic())
             if output is not None:
                 return output
             self._ready.clear()
@@ -196,8 +196,8 @@ class RealtimeConnection:
     def open_model_response(self) -> Response | None:
         return self.core.open_model_response()
 
-    def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
-        return self.core.response_audio(response, pcm, sample_rate, time.monotonic())
+    def response_audio(self, response: Response, pcm: bytes, sample_rate: int, engine_ms: float | None = None) -> bool:
+        return self.core.response_audio(response, pcm, sample_rate, time.monotonic(), engine_ms)
 
     def response_text(self, response: Response, text: str, tokens: int) -> None:
         self.core.response_text(response, text, tokens)

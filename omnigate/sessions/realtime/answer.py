@@ -50,8 +50,6 @@ from omnigate.sessions.realtime.server_events import (
 )
 from omnigate.sessions.realtime.turn_audio import BYTES_PER_MS
 
-CLAUSE_ENDS = frozenset(".!?;:,")
-
 
 class ResponderPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How a session answers the user with an LLM: the model named in requests (None: the server's own), the
@@ -298,10 +296,6 @@ class Answering:
         if not answer.speaking:
             answer.speaking = True
             self.host.open_speech(answer.response, answer.settings)
-        if any(char in CLAUSE_ENDS for char in text):
-            # The first clause is complete: the segmenter hands it to the TTS now.
-            answer.timing.mark("first_segment", now)
-            answer.timing.mark("tts_sent", now)
         self.host.add_speech(answer.response, text)
 
     def _tool_call_delta(self, answer: Answer, delta: ToolCallDelta) -> None:
@@ -410,11 +404,20 @@ class Answering:
             self.request(TurnMeasured(timings))
         return status, reason
 
-    def audio_queued(self, response: Response, now: float) -> None:
-        """Audio of ``response`` went to the outbox, which the transport takes in order."""
+    def audio_made(self, response: Response, now: float, engine_ms: float | None) -> None:
+        """The engine made audio of ``response``; ``engine_ms`` before, it was given the text it starts with: the
+        first segment, which went to it as soon as the segmenter had it whole (the LLM's part ends there)."""
         answer = self.of(response)
-        if answer is not None:
+        if answer is not None and engine_ms is not None and answer.timing.tts_first_audio is None:
+            given = now - engine_ms / 1000.0
+            answer.timing.mark("first_segment", given)
+            answer.timing.mark("tts_sent", given)
             answer.timing.mark("tts_first_audio", now)
+
+    def audio_sent(self, response_id: str, now: float) -> None:
+        """Audio of response ``response_id`` was handed to the transport."""
+        answer = self.answer
+        if answer is not None and answer.response.id == response_id:
             answer.timing.mark("first_audio_out", now)
 
     def stop(self) -> None:

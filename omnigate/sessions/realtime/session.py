@@ -298,15 +298,17 @@ class RealtimeSession:
             self.fail("idle_timeout", f"no client event within {self.limits.idle_timeout_s:g} s")
         return self.next_deadline
 
-    def take_output(self) -> RealtimeOutput | None:
+    def take_output(self, now: float | None = None) -> RealtimeOutput | None:
         """The next output for the transport, or None. Audio taken counts as sent (truncation is checked against
-        it) and its room goes back to the engine."""
+        it) and its room goes back to the engine; ``now`` times a reply's first audio out."""
         output = self.outbox.pop()
         if isinstance(output, (OutgoingEvent, OutgoingAudio)) and output.audio_ms:
             item = self._audio_items.get(output.item_id or "")
             if item is not None:
                 item.sent_ms += output.audio_ms
             self.engine.released_audio(output.audio_ms)
+            if now is not None and self.answering is not None and output.response_id is not None:
+                self.answering.audio_sent(output.response_id, now)
         return output
 
     def disconnect(self) -> None:
@@ -682,9 +684,17 @@ class RealtimeSession:
                 self._audio_items.pop(next(iter(self._audio_items)))
         return response
 
-    def response_audio(self, response: Response, pcm: bytes, sample_rate: int, now: float | None = None) -> bool:
+    def response_audio(
+        self,
+        response: Response,
+        pcm: bytes,
+        sample_rate: int,
+        now: float | None = None,
+        engine_ms: float | None = None,
+    ) -> bool:
         """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only).
-        ``now`` times a reply's first audio."""
+        ``now`` times a reply's first audio; ``engine_ms``, on the first audio of the engine's utterance, is the
+        engine's own time from the utterance's text to it."""
         converter = self._converters.get(response.id)
         if response.done or self.closed or converter is None:
             return False
@@ -694,7 +704,7 @@ class RealtimeSession:
         item.audio_ms += ms
         response.output_audio_ms += ms
         if now is not None and self.answering is not None:
-            self.answering.audio_queued(response, now)
+            self.answering.audio_made(response, now, engine_ms)
         self._queue_audio(response, item, converter.convert(pcm))
         return True
 
