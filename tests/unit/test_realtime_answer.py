@@ -296,3 +296,21 @@ def test_the_session_advertises_what_it_answers_with() -> None:
     assert created["capabilities"]["tools"] is True
     assert created["capabilities"]["input_transcription"] is True
     assert created["audio"]["input"]["turn_detection"]["create_response"] is True
+
+
+def test_a_text_only_response_streams_the_llm_text_without_speech() -> None:
+    h = Harness(ASKING)
+    h.send(user_text("Spell cat."))
+    h.send(event("response.create", response={"output_modalities": ["text"]}))
+    response = active(h)
+    h.drain()
+    h.session.chat_delta(response.id, TextDelta("C-A"), 0.1)
+    h.session.chat_delta(response.id, TextDelta("-T."), 0.2)
+    h.session.chat_delta(response.id, ChatFinish("stop", Usage(4, 3, 7)), 0.3)
+    events = h.drain()
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["C-A", "-T."]
+    done = events[-1]["response"]
+    assert done["status"] == "completed"
+    assert done["output"][0]["content"][0]["text"] == "C-A-T."
+    assert done["usage"]["output_token_details"]["text_tokens"] == 3
+    assert not any(call[0] == "open" for call in h.engine.calls)

@@ -95,6 +95,8 @@ class AnswerHost(Protocol):
 
     def close_speech(self, response: Response) -> None: ...
 
+    def response_text(self, response: Response, text: str, tokens: int) -> None: ...
+
 
 @dataclass(eq=False)
 class Answer:
@@ -293,6 +295,9 @@ class Answering:
             self._fail(answer, code, message)
 
     def _speak(self, answer: Answer, text: str, now: float) -> None:
+        if "audio" not in answer.response.output_modalities:
+            self.host.response_text(answer.response, text, 0)  # a text reply: its tokens come with the usage
+            return
         if not answer.speaking:
             answer.speaking = True
             self.host.open_speech(answer.response, answer.settings)

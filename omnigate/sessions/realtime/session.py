@@ -225,8 +225,13 @@ class RealtimeSession:
         if caps.native_duplex:
             responder = None  # a duplex model answers by itself
         if responder is not None:
+            # The LLM writes the reply, so a response may also be text alone.
             caps = msgspec.structs.replace(
-                caps, create_response=True, tools=True, input_transcription=responder.transcription
+                caps,
+                create_response=True,
+                tools=True,
+                input_transcription=responder.transcription,
+                output_modalities=("audio", "text"),
             )
         self.caps = caps
         self.responder = responder
