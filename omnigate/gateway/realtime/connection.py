@@ -278,6 +278,10 @@ class RealtimeConnection:
                     self.core.chat_delta(request.response_id, delta, time.monotonic())
         except ServiceError as exc:
             self.core.chat_failed(request.response_id, exc.code, exc.message)
+        except Exception:
+            # Not the service's failure but ours: the response still ends, typed, and the session goes on.
+            log.exception("a realtime LLM request failed")
+            self.core.chat_failed(request.response_id, "server_error", "the LLM request failed in the server")
 
     async def _transcribe(self, request: Transcribe) -> None:
         assert self._responder is not None and self._responder.transcription is not None
@@ -285,6 +289,9 @@ class RealtimeConnection:
             transcript = await self._responder.transcription.transcribe(request.pcm, ENGINE_RATE)
         except ServiceError as exc:
             self.core.transcription_failed(request.item_id, exc.code, exc.message)
+        except Exception:
+            log.exception("a realtime transcription failed")
+            self.core.transcription_failed(request.item_id, "server_error", "the transcription failed in the server")
         else:
             self.core.transcribed(request.item_id, transcript, time.monotonic())
 
