@@ -214,8 +214,10 @@ def test_a_failing_llm_fails_the_response_typed_and_the_next_turn_works() -> Non
     h.send(event("response.create"))
     response = active(h)
     h.session.chat_delta(response.id, TextDelta("Hi"), 0.1)
+    h.session.response_text(response, "Hi", 1)
     h.session.response_audio(response, pcm_ms(100), RATE, now=0.2)
     h.session.chat_failed(response.id, "llm_timeout", "no token within 10 s")
+    assert response.item is not None and response.item.transcript() == ""  # none of it was heard
     events = h.drain()
     assert "response.output_audio.delta" not in types(events)  # nothing of a failed response is left to send
     errors = [e for e in events if e["type"] == "error"]

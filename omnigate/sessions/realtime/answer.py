@@ -374,6 +374,7 @@ class Answering:
     def _fail(self, answer: Answer, code: str, message: str) -> None:
         self.host.server_error(code, message)
         self.request(ServiceFailed(code))
+        self._keep_heard(answer.response)  # its queued audio is dropped with it
         self.host.fail_response(answer.response, code, message)
 
     # ---- the end of a response ----------------------------------------------------------------------------------
@@ -381,10 +382,11 @@ class Answering:
     def cancelling(self, response: Response) -> None:
         """``response`` is being cancelled (the client, a barge-in): stop its request; its item keeps the
         transcript of the audio the user was sent, which is what the LLM is told it said next time."""
-        answer = self.of(response)
-        if answer is None:
-            return
-        self.stop()
+        if self.of(response) is not None:
+            self.stop()
+            self._keep_heard(response)
+
+    def _keep_heard(self, response: Response) -> None:
         item = response.item
         if item is not None and response.in_conversation:
             with contextlib.suppress(ConversationError):  # (a text reply: there is no audio to cut)
