@@ -23,6 +23,7 @@ from omnigate.gateway.errors import routing_error
 from omnigate.gateway.ops import info
 from omnigate.gateway.ops.loop_lag import watch_loop_lag
 from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.realtime.connection import ResponderReports
 from omnigate.gateway.realtime.service import start_realtime
 from omnigate.gateway.realtime.ws import duplex_endpoint, realtime_endpoint
 from omnigate.gateway.robot.stream import robot_policy_endpoint, start_robot_pool, stop_robot_pool
@@ -30,7 +31,7 @@ from omnigate.gateway.security.auth import AuthMiddleware
 from omnigate.gateway.security.client_secrets import client_secrets_endpoint
 from omnigate.gateway.security.credentials import ApiKeys, ClientSecretStore
 from omnigate.gateway.security.ratelimit import KeyedSessionRegistry
-from omnigate.gateway.settings import Settings
+from omnigate.gateway.settings import Settings, responder_summary
 from omnigate.gateway.speech.http import speech_endpoint
 from omnigate.gateway.speech.stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
@@ -141,7 +142,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         try:
             app.state.video_engine = await start_video_engine(settings)
             app.state.omni_engine = await start_omni_engine(settings)
-            app.state.realtime = await start_realtime(settings, pool)
+            reports = ResponderReports(
+                metrics.observe_responder_turn, lambda code: metrics.responder_failures.labels(code).inc()
+            )
+            app.state.realtime = await start_realtime(settings, pool, reports)
             gateway.robot_pool = await start_robot_pool(settings, metrics)
             yield
         finally:
@@ -159,6 +163,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             await stop_omni_engine(app.state.omni_engine)
             app.state.omni_engine = None
             if app.state.realtime is not None:
+                await app.state.realtime.aclose_services()
                 await asyncio.to_thread(app.state.realtime.close)
                 app.state.realtime = None
 
@@ -179,7 +184,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         Route("/v1/realtime/calls", realtime_calls_endpoint, methods=["POST"]),
         Route("/v1/realtime/video/calls", video_calls_endpoint, methods=["POST"]),
         Route("/v1/video/chat/calls", video_chat_calls_endpoint, methods=["POST"]),
-        *web_routes(settings.web_token_url),
+        *web_routes(settings.web_token_url, responder_summary(settings)),
     ]
     client_secrets = ClientSecretStore(settings.max_client_secrets, settings.max_client_secrets_per_key)
     # Outermost of the app's own middleware, so it covers every route, HTTP and WebSocket alike.

@@ -7,6 +7,43 @@ import msgspec
 from omnigate.engines.admission import AdmissionPolicy
 
 
+class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The services a ``/v1/realtime`` session answers the user with (``serve --llm-url``, ``--asr-url``): an
+    OpenAI-compatible chat-completions server, streamed, and optionally a transcription server. URLs are the base an
+    OpenAI SDK takes (``http://host:port/v1``); API keys go out as ``Authorization: Bearer``."""
+
+    llm_url: str
+    llm_model: str | None = None  # None: the request names no model (vLLM and llama.cpp serve their own)
+    llm_api_key: str | None = None
+    llm_max_tokens: int = 1024  # per response, below a smaller max_output_tokens of the session
+    llm_first_token_timeout_s: float = 10.0
+    llm_idle_timeout_s: float = 10.0  # between two streamed chunks
+    llm_timeout_s: float = 120.0  # a whole reply
+    asr_url: str | None = None  # None: user turns are text only (conversation.item.create)
+    asr_model: str = "whisper-1"
+    asr_api_key: str | None = None
+    asr_timeout_s: float = 15.0  # a whole transcription
+    asr_max_audio_s: float = 60.0  # of one turn's audio sent to transcription (the newest is kept)
+    connect_timeout_s: float = 3.0
+    history_max_chars: int = 24_000  # the conversation sent to the LLM, oldest dropped first (about 6k tokens)
+
+    def __post_init__(self) -> None:
+        timeouts = (
+            self.llm_first_token_timeout_s,
+            self.llm_idle_timeout_s,
+            self.llm_timeout_s,
+            self.asr_timeout_s,
+            self.connect_timeout_s,
+        )
+        if min(timeouts) <= 0:
+            raise ValueError("the LLM and transcription timeouts must be positive")
+        if self.llm_max_tokens < 1 or self.history_max_chars < 1 or self.asr_max_audio_s <= 0:
+            raise ValueError("--llm-max-tokens, --history-max-chars and --asr-max-audio must be positive")
+        for name, url in (("--llm-url", self.llm_url), ("--asr-url", self.asr_url)):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Gateway settings. ``omnigate serve --help`` documents each one."""
 
@@ -38,6 +75,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # a duplex engine beside a TTS main engine (WS /v1/duplex, /v1/realtime?duplex=1); --engine duplex serves only it
     duplex_model: str | None = None
     duplex_options: dict[str, str] = {}
+    # the LLM (and transcription) that make /v1/realtime answer the user; None: the route speaks what clients send
+    responder: ResponderSettings | None = None
     realtime_input_max_bytes: int = 1024 * 1024  # realtime input audio pending per session (24 kHz s16le)
     duplex_turn_end_ms: float = 480.0  # a duplex model listening this long has ended its turn (its response)
     max_sessions: int | None = None  # None: the engine's slot count
@@ -104,3 +143,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # engine faults: a step running longer fails its streams; this many failed steps in a row make /ready unready
     engine_step_timeout_s: float = 60.0
     engine_failure_threshold: int = 3
+
+
+def responder_summary(settings: Settings) -> dict[str, bool] | None:
+    """What clients may know of the responder (never its URLs or keys): None without one."""
+    if settings.responder is None:
+        return None
+    return {"transcription": settings.responder.asr_url is not None}

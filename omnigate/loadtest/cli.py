@@ -6,6 +6,7 @@ Usage::
     omnigate-loadtest run URL --find-capacity --slo-ttfa-ms 100
     omnigate-loadtest run --compare http://127.0.0.1:8000 ws://127.0.0.1:8765 --sessions 50 --rounds 2
     omnigate-loadtest baseline --port 8765 [--rtf 1.0]
+    omnigate-loadtest standins --port 8090 [--llm-first-token-ms 200 --llm-tokens-per-s 30 --asr-delay-ms 150]
 
 ``run`` is the default command. Against a server that requires an API key, set ``OMNIGATE_API_KEY`` (or pass
 ``--api-key``): every request then carries ``Authorization: Bearer <key>``.
@@ -401,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["baseline"]:
         baseline_args = baseline_parser().parse_args(arguments[1:])
         return _run_coroutine(_baseline_until_stopped(baseline_args))
+    if arguments[:1] == ["standins"]:
+        from omnigate.loadtest.openai_standins import serve_standins, standins_parser
+
+        return _run_coroutine(serve_standins(standins_parser().parse_args(arguments[1:])))
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     parser = run_parser()

@@ -16,15 +16,17 @@ async def index(request: Request) -> Response:
     return FileResponse(str(STATIC_DIR / "index.html"), media_type="text/html")
 
 
-def web_routes(token_url: str | None = None) -> list[BaseRoute]:
+def web_routes(token_url: str | None = None, responder: dict[str, bool] | None = None) -> list[BaseRoute]:
     """``GET /`` (the talk page), ``/static/*`` (its script and style) and ``GET /web/config.json``.
 
     ``token_url`` is where the page fetches a client secret before each connection (an endpoint of the
     operator's app that calls ``POST /v1/realtime/client_secrets``); None when the gateway needs no credential.
+    ``responder`` says that ``/v1/realtime`` answers the user (``{"transcription": bool}``: whether spoken turns
+    are transcribed), so the page offers its talk mode; None when the route only speaks what it is sent.
     """
 
     async def config(request: Request) -> Response:
-        return JSONResponse({"token_url": token_url}, headers={"cache-control": "no-store"})
+        return JSONResponse({"token_url": token_url, "responder": responder}, headers={"cache-control": "no-store"})
 
     return [
         Route("/", index, methods=["GET", "HEAD"]),

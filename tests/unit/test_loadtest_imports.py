@@ -8,6 +8,7 @@ import sys
 CHECK = """
 import sys
 import omnigate.loadtest.cli
+import omnigate.loadtest.openai_standins
 import omnigate.loadtest.targets.ws_speech
 import omnigate.loadtest.targets.http_speech
 import omnigate.loadtest.targets.realtime_webrtc

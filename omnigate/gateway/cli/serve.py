@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,11 +19,12 @@ from omnigate.gateway.cli.reliability import (
     reliability_settings,
 )
 from omnigate.gateway.ops.logging import configure_logging
-from omnigate.gateway.settings import Settings
+from omnigate.gateway.settings import ResponderSettings, Settings
 
 _DEFAULTS = Settings()
 CORES_PER_WORKER = 4  # a gateway worker's loop, with room beside it for the engine core and its host work
 MAX_AUTO_WORKERS = 4
+_RESPONDER = ResponderSettings(llm_url="http://127.0.0.1/v1")
 
 
 def _engine_option(text: str) -> tuple[str, str]:
@@ -208,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.realtime_input_max_bytes,
         help="input audio a realtime session may hold unconsumed; appends beyond it are refused",
     )
+    _add_responder_options(serve)
     lim = serve.add_argument_group("limits")
     lim.add_argument(
         "--max-sessions",
@@ -336,6 +339,106 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_responder_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "responder (WS /v1/realtime answers the user: speech in, transcription, an LLM's reply spoken)"
+    )
+    group.add_argument(
+        "--llm-url",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible chat-completions server (vLLM, llama.cpp's server, Ollama, ...), its base URL "
+        "as an OpenAI SDK takes it, for example http://127.0.0.1:8080/v1; realtime sessions then answer the user "
+        "with its streamed replies",
+    )
+    group.add_argument("--llm-model", default=None, help="model name sent to the LLM (default: none, the server's own)")
+    group.add_argument(
+        "--llm-api-key",
+        default=None,
+        metavar="KEY",
+        help="sent to the LLM as Authorization: Bearer KEY (default: $OMNIGATE_LLM_API_KEY, which keeps it out of "
+        "the process list)",
+    )
+    group.add_argument(
+        "--llm-max-tokens", type=int, default=_RESPONDER.llm_max_tokens, help="tokens of one reply at most"
+    )
+    group.add_argument(
+        "--llm-first-token-timeout",
+        type=float,
+        default=_RESPONDER.llm_first_token_timeout_s,
+        help="seconds to wait for the LLM's first token; then the response fails with llm_timeout",
+    )
+    group.add_argument(
+        "--llm-idle-timeout",
+        type=float,
+        default=_RESPONDER.llm_idle_timeout_s,
+        help="seconds the LLM's stream may pause between chunks",
+    )
+    group.add_argument(
+        "--llm-timeout", type=float, default=_RESPONDER.llm_timeout_s, help="seconds one LLM reply may take in all"
+    )
+    group.add_argument(
+        "--asr-url",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible transcription server (speaches, whisper.cpp's server, vLLM, ...), its base URL, "
+        "for example http://127.0.0.1:8001/v1; without it only text turns are answered",
+    )
+    group.add_argument("--asr-model", default=_RESPONDER.asr_model, help="model name sent to the transcription server")
+    group.add_argument(
+        "--asr-api-key",
+        default=None,
+        metavar="KEY",
+        help="sent to the transcription server as a Bearer token (default: $OMNIGATE_ASR_API_KEY)",
+    )
+    group.add_argument(
+        "--asr-timeout", type=float, default=_RESPONDER.asr_timeout_s, help="seconds one transcription may take"
+    )
+    group.add_argument(
+        "--asr-max-audio",
+        type=float,
+        default=_RESPONDER.asr_max_audio_s,
+        help="seconds of one turn's audio sent to transcription at most (the newest are kept)",
+    )
+    group.add_argument(
+        "--service-connect-timeout",
+        type=float,
+        default=_RESPONDER.connect_timeout_s,
+        help="seconds to connect to the LLM or the transcription server",
+    )
+    group.add_argument(
+        "--history-max-chars",
+        type=int,
+        default=_RESPONDER.history_max_chars,
+        help="characters of conversation sent to the LLM; older turns are dropped first (the instructions and the "
+        "newest user turn always go)",
+    )
+
+
+def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
+    """The responder's settings, None without --llm-url. Raises ValueError for options that cannot work."""
+    if args.llm_url is None:
+        if args.asr_url is not None:
+            raise ValueError("--asr-url needs --llm-url: transcripts are answered by the LLM")
+        return None
+    return ResponderSettings(
+        llm_url=args.llm_url,
+        llm_model=args.llm_model,
+        llm_api_key=args.llm_api_key or os.environ.get("OMNIGATE_LLM_API_KEY") or None,
+        llm_max_tokens=args.llm_max_tokens,
+        llm_first_token_timeout_s=args.llm_first_token_timeout,
+        llm_idle_timeout_s=args.llm_idle_timeout,
+        llm_timeout_s=args.llm_timeout,
+        asr_url=args.asr_url,
+        asr_model=args.asr_model,
+        asr_api_key=args.asr_api_key or os.environ.get("OMNIGATE_ASR_API_KEY") or None,
+        asr_timeout_s=args.asr_timeout,
+        asr_max_audio_s=args.asr_max_audio,
+        connect_timeout_s=args.service_connect_timeout,
+        history_max_chars=args.history_max_chars,
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         host=args.host,
@@ -357,6 +460,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         omni_options=dict(args.omni_option),
         duplex_model=args.duplex_model,
         duplex_options=dict(args.duplex_option),
+        responder=responder_settings(args),
         realtime_input_max_bytes=args.realtime_input_max_bytes,
         max_sessions=args.max_sessions,
         admission=args.admission,

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omnigate.gateway.ops.metrics import CONTENT_TYPE, Metrics
+from omnigate.gateway.settings import responder_summary
 from omnigate.gateway.state import Gateway
 
 _STARTED = int(time.time())
@@ -64,6 +65,8 @@ async def models(request: Request) -> Response:
                 "engine": info.family,
                 "sample_rate": info.sample_rate,
                 "synthetic": info.synthetic,
+                # /v1/realtime answers the user with an LLM (serve --llm-url); None: it speaks what it is sent
+                "responder": responder_summary(gw.settings),
             }
         )
     return JSONResponse({"object": "list", "data": data})

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from omnigate.gateway.state import Gateway
+from omnigate.sessions.realtime.responder import TurnTimings
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -187,6 +189,27 @@ class Metrics:
             ["code"],
             registry=self.registry,
         )
+
+        self.responder_turn = Histogram(
+            "omnigate_responder_turn_seconds",
+            "Steps of a realtime turn answered by the LLM: from the end of the user's speech to the transcript, the "
+            "first token and the first reply audio; the services' own times (asr, llm, tts); omnigate's overhead",
+            ["step"],
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0),
+            registry=self.registry,
+        )
+        self.responder_failures = Counter(
+            "omnigate_responder_failures",
+            "Realtime responses failed by the LLM or transcription service (llm_timeout, asr_unavailable, ...)",
+            ["code"],
+            registry=self.registry,
+        )
+
+    def observe_responder_turn(self, timings: TurnTimings) -> None:
+        """One answered turn's timings (milliseconds in, seconds out); steps that did not happen are skipped."""
+        for field, value in msgspec.structs.asdict(timings).items():
+            if value is not None:
+                self.responder_turn.labels(field.removesuffix("_ms")).observe(max(0.0, value) / 1000.0)
 
     def observe_robot_step(self, seconds: float, batch_size: int) -> None:
         """The policy scheduler's step observer (on its thread)."""

@@ -1,9 +1,10 @@
 """Realtime sessions on a text-to-speech engine: each response speaks assistant text through the speech session core.
 
-A response's text becomes one utterance of a :class:`SessionDriver` (append, then flush); its sentences stream as
-they are synthesized, and ``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is
-aborted and its queued audio purged). A pump task moves the driver's events into the realtime outbox only while
-that outbox has room, so a client that stops reading stops the engine.
+A response's text becomes one utterance of a :class:`SessionDriver`: appends as the text arrives (whole, or streamed
+from an LLM), then a flush. Its sentences are synthesized as soon as the segmenter releases them and stream out;
+``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is aborted and its queued audio
+purged). A pump task moves the driver's events into the realtime outbox only while that outbox has room, so a
+client that stops reading stops the engine.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import msgspec
 
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
-from omnigate.gateway.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
     AppendText,
@@ -31,7 +30,9 @@ from omnigate.sessions.messages import (
     SessionConfig,
     UtteranceDone,
 )
-from omnigate.sessions.realtime_conversation import Response, ResponseStatus
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.sessions.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
+from omnigate.sessions.realtime.conversation import Response, ResponseStatus
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, SessionLimits, synthesis_params
 
@@ -67,10 +68,11 @@ class TtsBackend(Backend):
         self._current: tuple[Response, int] | None = None
         self._next_utterance = 0
         self._error: tuple[str, str] | None = None
+        self._engine_ms: float | None = None  # the engine's time to the first audio of the utterance, when it comes
 
     def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
         self._sink = sink
-        self._driver = SessionDriver(self.pool, self._limits)
+        self._driver = SessionDriver(self.pool, self._limits, on_first_audio=self._first_audio)
         try:
             self._configure(self._session_config(config, self._max_audio_ms))
         except ConfigRefused as exc:
@@ -81,8 +83,8 @@ class TtsBackend(Backend):
     def reconfigure(self, config: RealtimeConfig) -> None:
         self._configure(self._session_config(config, self._max_audio_ms))
 
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
-        driver = self._require_driver()
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        self._require_driver()
         assert self._config is not None
         max_audio_ms = self._max_audio_ms
         if settings.max_output_tokens is not None:
@@ -92,8 +94,14 @@ class TtsBackend(Backend):
         self._current = (response, self._next_utterance)
         self._next_utterance += 1
         self._error = None
-        driver.submit(AppendText(text))
-        driver.submit(Flush())
+
+    def add_speech(self, response: Response, text: str) -> None:
+        if self._current is not None and self._current[0] is response:
+            self._require_driver().submit(AppendText(text))
+
+    def close_speech(self, response: Response) -> None:
+        if self._current is not None and self._current[0] is response:
+            self._require_driver().submit(Flush())
 
     def cancel(self, response: Response) -> None:
         if self._current is not None and self._current[0] is response and self._driver is not None:
@@ -118,6 +126,10 @@ class TtsBackend(Backend):
         self._sink = None  # the session refers to this backend: no cycle outlives the session
 
     # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _first_audio(self, engine_ms: float) -> None:
+        # The driver reports it as it hands over that audio: the pump's next event is the chunk it is about.
+        self._engine_ms = engine_ms
 
     def _require_driver(self) -> SessionDriver:
         if self._driver is None:
@@ -149,6 +161,7 @@ class TtsBackend(Backend):
         while True:
             await sink.wait_for_room()
             event = await driver.next_event()
+            engine_ms, self._engine_ms = self._engine_ms, None  # set by the driver for a first chunk only
             if isinstance(event, SessionClosed):
                 if event.reason != "released":
                     sink.fail(event.code or event.reason, f"the speech session ended: {event.reason}")
@@ -167,7 +180,7 @@ class TtsBackend(Backend):
                 continue  # an utterance of a response already ended (cancelled): nothing of it goes out
             response = current[0]
             if isinstance(event, MediaChunk):
-                sink.response_audio(response, event.pcm, event.sample_rate)
+                sink.response_audio(response, event.pcm, event.sample_rate, engine_ms)
             elif isinstance(event, SegmentStarted):
                 sink.response_text(response, event.text, len(event.text.split()))
             elif isinstance(event, UtteranceDone):

@@ -16,15 +16,15 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from omnigate.gateway.realtime.capabilities import AUDIO_FORMATS, RealtimeCapabilities
-from omnigate.gateway.realtime.client_events import (
+from omnigate.sessions.realtime.capabilities import AUDIO_FORMATS, RealtimeCapabilities
+from omnigate.sessions.realtime.client_events import (
     AudioFormat,
     ResponseParams,
     SemanticVad,
     ServerVad,
     SessionPatch,
 )
-from omnigate.gateway.realtime.server_events import (
+from omnigate.sessions.realtime.server_events import (
     WireAudioFormat,
     WireAudioInput,
     WireAudioOutput,
@@ -32,7 +32,7 @@ from omnigate.gateway.realtime.server_events import (
     WireSessionAudio,
     WireTurnDetection,
 )
-from omnigate.sessions.realtime_turns import TurnDetectionSettings
+from omnigate.sessions.realtime.turns import TurnDetectionSettings
 
 PCM_RATE = 24000
 MAX_OUTPUT_TOKENS = 4096
@@ -103,6 +103,19 @@ class ResponseSettings(msgspec.Struct, frozen=True):
     max_output_tokens: int | None
     in_conversation: bool
     metadata: dict[str, str] | None
+
+
+def server_response_settings(config: RealtimeConfig) -> ResponseSettings:
+    """A response the server starts itself (a detected turn, a duplex model speaking) runs with the session's
+    settings."""
+    return ResponseSettings(
+        output_modalities=config.output_modalities,
+        voice=config.voice,
+        output_format=config.output_format,
+        max_output_tokens=config.max_output_tokens,
+        in_conversation=True,
+        metadata=None,
+    )
 
 
 def default_config(caps: RealtimeCapabilities, model: str) -> RealtimeConfig:

@@ -1,0 +1,77 @@
+"""``serve --llm-url/--asr-url`` and their options become the responder's settings, which the page learns of."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from omnigate.gateway.cli.serve import build_parser, settings_from_args
+from omnigate.gateway.realtime.responder_clients import ResponderClients
+from omnigate.gateway.settings import ResponderSettings, Settings, responder_summary
+from omnigate.web import web_routes
+
+
+def parse(*options: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *options])
+
+
+def test_without_an_llm_there_is_no_responder() -> None:
+    settings = settings_from_args(parse())
+    assert settings.responder is None and responder_summary(settings) is None
+
+
+def test_the_options_fill_the_responder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNIGATE_ASR_API_KEY", "sk-from-env")
+    settings = settings_from_args(
+        parse(
+            "--llm-url", "http://127.0.0.1:8080/v1", "--llm-model", "qwen", "--llm-api-key", "sk-llm",
+            "--llm-first-token-timeout", "4", "--asr-url", "http://127.0.0.1:8001/v1", "--asr-model", "small",
+            "--history-max-chars", "9000",
+        )
+    )  # fmt: skip
+    responder = settings.responder
+    assert responder is not None
+    assert (responder.llm_url, responder.llm_model, responder.llm_api_key) == (
+        "http://127.0.0.1:8080/v1",
+        "qwen",
+        "sk-llm",
+    )
+    assert responder.llm_first_token_timeout_s == 4.0 and responder.history_max_chars == 9000
+    assert (responder.asr_url, responder.asr_model, responder.asr_api_key) == (
+        "http://127.0.0.1:8001/v1",
+        "small",
+        "sk-from-env",
+    )
+    assert responder_summary(settings) == {"transcription": True}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("--asr-url", "http://127.0.0.1:8001/v1"),  # transcripts with nobody to answer them
+        ("--llm-url", "127.0.0.1:8080"),  # not a URL
+        ("--llm-url", "http://127.0.0.1:8080/v1", "--llm-timeout", "0"),
+    ],
+)
+def test_options_that_cannot_work_are_refused(options: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - each case has its own message
+        settings_from_args(parse(*options))
+
+
+async def test_the_clients_come_from_the_settings_and_close() -> None:
+    clients = ResponderClients.start(ResponderSettings(llm_url="http://127.0.0.1:9/v1", llm_timeout_s=7.0))
+    assert clients.chat.url == "http://127.0.0.1:9/v1/chat/completions" and clients.chat.timeouts.total_s == 7.0
+    assert clients.transcription is None
+    await clients.aclose()
+    assert clients.http.is_closed
+
+
+def test_the_page_config_says_whether_the_realtime_route_answers() -> None:
+    with_llm = Settings(responder=ResponderSettings(llm_url="http://127.0.0.1:9/v1"))
+    for settings, expected in ((Settings(), None), (with_llm, {"transcription": False})):
+        app = Starlette(routes=web_routes(None, responder_summary(settings)))
+        with TestClient(app) as client:
+            assert client.get("/web/config.json").json() == {"token_url": None, "responder": expected}
