@@ -142,6 +142,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             app.state.video_engine = await start_video_engine(settings)
             app.state.omni_engine = await start_omni_engine(settings)
             app.state.realtime = await start_realtime(settings, pool)
+            duplex = app.state.realtime.duplex
+            gateway.duplex_stats = duplex.stats if duplex is not None else None
             gateway.robot_pool = await start_robot_pool(settings, metrics)
             yield
         finally:
@@ -151,6 +153,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             gateway.registry.draining = True
             await webrtc.close_all()
             gateway.pool = None
+            gateway.duplex_stats = None
             await stop_pool()
             await stop_video_engine(app.state.video_engine)
             robot_pool, gateway.robot_pool = gateway.robot_pool, None

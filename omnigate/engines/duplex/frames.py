@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
 from omnigate.engines.duplex.backbone import SlotBackbone
 from omnigate.engines.duplex.depth import DepthSampler
-from omnigate.engines.duplex.graphs import CapturedTick, prefix_batch
+from omnigate.engines.duplex.graphs import CapturedTick, batch_buckets, bucket_rows, prefix_batch
 from omnigate.engines.duplex.mimi_encoder import MimiStreamEncoder
 from omnigate.engines.duplex.model import DuplexModel
 from omnigate.engines.duplex.ring_cache import RingStep
@@ -39,6 +39,8 @@ class FrameSettings:
     audio_temperature: float = 0.8
     audio_top_k: int = 250
     cuda_graphs: bool = True  # on CUDA, replay a captured graph per batch size for batches of slots 0..B-1
+    buckets: tuple[int, ...] = ()  # batch sizes graphs serve (default: powers of two below ``slots``, and it)
+    masked_rows: bool = False  # plan bucket batches with masked rows even without graphs (how CPU tests see it)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class StepOutput:
 
     text: list[int]
     pcm: np.ndarray
+    rows: int  # rows the model computed: the stepped slots and any masked ones
+    graph: bool  # the model ran as a captured graph
+    captured: bool  # this step captured that graph first
 
 
 class FrameModel:
@@ -86,7 +91,16 @@ class FrameModel:
         self.steps = [0] * self.slots
         self.seeds = [0] * self.slots
         self.use_graphs = settings.cuda_graphs and self.device.type == "cuda"
+        self.masked_rows = settings.masked_rows
+        self.buckets = batch_buckets(self.slots, settings.buckets)
         self._graphs: dict[int, CapturedTick] = {}
+
+    def rows_for(self, slots: Sequence[int]) -> tuple[int, ...]:
+        """The rows a step of ``slots`` computes: a bucket's ``0..B-1`` when graphs (or masked rows) are in use,
+        else exactly ``slots``."""
+        if self.use_graphs or self.masked_rows:
+            return bucket_rows(slots, self.buckets)
+        return tuple(slots)
 
     def reset(self, slot: int, seed: int) -> None:
         """Start a new session in ``slot``: nothing of the previous session's state remains."""
@@ -118,35 +132,60 @@ class FrameModel:
     def step(self, slots: Sequence[int], pcm: np.ndarray) -> StepOutput:
         """Advance ``slots`` by one frame; ``pcm`` is s16 ``[B, samples_per_frame]`` user audio.
 
+        The model computes :meth:`rows_for` ``slots``; a computed row that is not one of ``slots`` is masked: its
+        outputs are dropped and none of its state moves (codec state, last tokens, draw counters and cache position;
+        the cache entry it wrote is the one its next real step writes). So a session that sits a tick out, or a
+        free slot, costs a row of the batch a captured graph serves, never a different batch.
+
         Each stage is a named profiler range (``duplex/...``), so a profile splits a tick's time by stage.
         """
-        index = torch.tensor(list(slots), device=self.device)
+        slots = list(slots)
+        if len(set(slots)) != len(slots):
+            raise ValueError("a step takes each slot at most once")
+        rows = self.rows_for(slots)
+        index = torch.tensor(slots, device=self.device)
         with record_function("duplex/encode"):
             audio_in = torch.from_numpy(pcm.astype(np.float32) / 32768.0).to(self.device)
             user = self.encoder.encode(audio_in, slots)
         with record_function("duplex/think"):
             # The user's semantic codebook is current; its acoustic codebooks are the previous frame's.
             user_in = torch.cat((user[:, :1], self.last_user.index_select(0, index)[:, 1:]), dim=1)
-            last_text = self.last_text.index_select(0, index)
-            x = self.backbone.embed(last_text, self.last_model.index_select(0, index), user_in)
-            plan = self.backbone.cache.step(slots)
-            steps = torch.tensor([self.steps[s] for s in slots], device=self.device)
-            seeds = torch.tensor([self.seeds[s] for s in slots], device=self.device)
-            if self.use_graphs and prefix_batch(plan.slots):
-                captured = self._graphs.get(len(slots))
-                if captured is None:
-                    captured = self._graphs[len(slots)] = CapturedTick(self._think, x, plan, steps, seeds)
-                text, codes = captured.run(x, plan, steps, seeds)
+            masked = rows != tuple(slots)
+            if masked:
+                # Row r is slot r. Masked rows read their own last codes: valid ids, results dropped.
+                row_index = torch.tensor(rows, device=self.device)
+                user_in = self.last_user.index_select(0, row_index).index_copy_(0, index, user_in)
+            else:
+                row_index = index
+            x = self.backbone.embed(
+                self.last_text.index_select(0, row_index), self.last_model.index_select(0, row_index), user_in
+            )
+            plan = self.backbone.cache.step(rows)
+            steps = torch.tensor([self.steps[s] for s in rows], device=self.device)
+            seeds = torch.tensor([self.seeds[s] for s in rows], device=self.device)
+            graph = self.use_graphs and prefix_batch(rows)
+            captured = False
+            if graph:
+                tick = self._graphs.get(len(rows))
+                if tick is None:
+                    captured = True
+                    tick = self._graphs[len(rows)] = CapturedTick(self._think, x, plan, steps, seeds)
+                text, codes = tick.run(x, plan, steps, seeds)
             else:
                 text, codes = self._think(x, plan, steps, seeds)
-            self.backbone.cache.commit(plan)
+            self.backbone.cache.commit(plan, slots)
+            if masked:
+                text, codes = text.index_select(0, index), codes.index_select(0, index)
         out = np.zeros((len(slots), self.samples_per_frame), dtype=np.int16)
         ready = [row for row, slot in enumerate(slots) if self.steps[slot] > 0]
         if ready:
             with record_function("duplex/decode"):
-                rows = torch.tensor(ready, device=self.device)
+                ready_rows = torch.tensor(ready, device=self.device)
                 frame = torch.cat(
-                    (self.pending_semantic.index_select(0, index[rows])[:, None], codes.index_select(0, rows)[:, 1:]),
+                    (
+                        self.pending_semantic.index_select(0, index[ready_rows])[:, None],
+                        codes.index_select(0, ready_rows)[:, 1:],
+                    ),
                     dim=1,
                 )
                 audio = self.decoder.decode(frame[:, :, None], [slots[row] for row in ready]).clamp(-1.0, 1.0)
@@ -158,4 +197,4 @@ class FrameModel:
         self.pending_semantic.index_copy_(0, index, codes[:, 0])
         for slot in slots:
             self.steps[slot] += 1
-        return StepOutput(text=text.tolist(), pcm=out)
+        return StepOutput(text=text.tolist(), pcm=out, rows=len(rows), graph=graph, captured=captured)

@@ -82,9 +82,13 @@ class RingKVCache:
             return self.keys[layer, step.rows], self.values[layer, step.rows]
         return self.keys[layer].index_select(0, step.index), self.values[layer].index_select(0, step.index)
 
-    def commit(self, step: RingStep) -> None:
-        """Count the step as taken, once every layer has written it."""
-        for slot in step.slots:
+    def commit(self, step: RingStep, slots: Sequence[int] | None = None) -> None:
+        """Count the step as taken for ``slots`` (default: all of its rows), once every layer has written it.
+
+        A row left out (masked) stays where it was: the entry it wrote is the one its next real step writes
+        again, and the entry that held before it is the one that step evicts, so its history is unchanged.
+        """
+        for slot in step.slots if slots is None else slots:
             self._positions[slot] += 1
 
 
