@@ -9,7 +9,8 @@ Mimi decoder turns into PCM: a session's first step yields silence, and every la
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,11 +20,13 @@ from torch.profiler import record_function
 from omnigate.engines.codec.mimi_stream import MimiStreamDecoder
 from omnigate.engines.duplex.backbone import SlotBackbone
 from omnigate.engines.duplex.depth import DepthSampler
-from omnigate.engines.duplex.graphs import CapturedTick, batch_buckets, bucket_rows, prefix_batch
+from omnigate.engines.duplex.graphs import CapturedCall, CapturedTick, batch_buckets, bucket_rows, prefix_batch
 from omnigate.engines.duplex.mimi_encoder import MimiStreamEncoder
 from omnigate.engines.duplex.model import DuplexModel
 from omnigate.engines.duplex.ring_cache import RingStep
 from omnigate.engines.duplex.sampling import SeededSampler
+
+log = logging.getLogger(__name__)
 
 _AUDIO_SEED_SALT = 0x5EED_A0D10
 
@@ -94,6 +97,8 @@ class FrameModel:
         self.masked_rows = settings.masked_rows
         self.buckets = batch_buckets(self.slots, settings.buckets)
         self._graphs: dict[int, CapturedTick] = {}
+        self._codec_graphs: dict[tuple[str, int], CapturedCall] = {}
+        self._codec_eager: set[tuple[str, int]] = set()
 
     def rows_for(self, slots: Sequence[int]) -> tuple[int, ...]:
         """The rows a step of ``slots`` computes: a bucket's ``0..B-1`` when graphs (or masked rows) are in use,
@@ -133,9 +138,11 @@ class FrameModel:
         """Advance ``slots`` by one frame; ``pcm`` is s16 ``[B, samples_per_frame]`` user audio.
 
         The model computes :meth:`rows_for` ``slots``; a computed row that is not one of ``slots`` is masked: its
-        outputs are dropped and none of its state moves (codec state, last tokens, draw counters and cache position;
-        the cache entry it wrote is the one its next real step writes). So a session that sits a tick out, or a
-        free slot, costs a row of the batch a captured graph serves, never a different batch.
+        outputs are dropped and none of its state moves (its codec rows go to the codecs' scratch slots; its last
+        tokens, draw counter and cache position stay; the cache entry it wrote is the one its next real step writes).
+        So a session that sits a tick out, or a free slot, costs a row of the batch a captured graph serves, never a
+        different batch. With graphs, the codec stages are captured per bucket too: a tick then launches a few
+        graphs instead of thousands of kernels, so its host time barely depends on other threads holding the GIL.
 
         Each stage is a named profiler range (``duplex/...``), so a profile splits a tick's time by stage.
         """
@@ -143,58 +150,111 @@ class FrameModel:
         if len(set(slots)) != len(slots):
             raise ValueError("a step takes each slot at most once")
         rows = self.rows_for(slots)
-        index = torch.tensor(slots, device=self.device)
+        stepping = set(slots)
+        at = {slot: row for row, slot in enumerate(rows)}
+        live_rows = [at[slot] for slot in slots]  # each stepped slot's row, in the order of ``slots``
+        graph = self.use_graphs and prefix_batch(rows)
+        device = self.device
+        audio = np.zeros((len(rows), self.samples_per_frame), dtype=np.float32)
+        audio[live_rows] = pcm.astype(np.float32) / 32768.0
+        row_index = torch.tensor(rows, device=device)
+        live = torch.tensor([slot in stepping for slot in rows], device=device)
+        scratch = self.encoder.scratch
         with record_function("duplex/encode"):
-            audio_in = torch.from_numpy(pcm.astype(np.float32) / 32768.0).to(self.device)
-            user = self.encoder.encode(audio_in, slots)
+            encode_in = (
+                torch.from_numpy(audio).to(device),
+                torch.tensor([slot if slot in stepping else scratch for slot in rows], device=device),
+            )
+            (user,), captured_encode = self._stage("encode", self._encode, encode_in, graph)
         with record_function("duplex/think"):
-            # The user's semantic codebook is current; its acoustic codebooks are the previous frame's.
-            user_in = torch.cat((user[:, :1], self.last_user.index_select(0, index)[:, 1:]), dim=1)
-            masked = rows != tuple(slots)
-            if masked:
-                # Row r is slot r. Masked rows read their own last codes: valid ids, results dropped.
-                row_index = torch.tensor(rows, device=self.device)
-                user_in = self.last_user.index_select(0, row_index).index_copy_(0, index, user_in)
-            else:
-                row_index = index
+            # The user's semantic codebook is current; its acoustic codebooks are the previous frame's. Masked rows
+            # read their own last codes: valid ids, results dropped.
+            last_user = self.last_user.index_select(0, row_index)
+            user_in = torch.where(live[:, None], torch.cat((user[:, :1], last_user[:, 1:]), dim=1), last_user)
             x = self.backbone.embed(
                 self.last_text.index_select(0, row_index), self.last_model.index_select(0, row_index), user_in
             )
             plan = self.backbone.cache.step(rows)
-            steps = torch.tensor([self.steps[s] for s in rows], device=self.device)
-            seeds = torch.tensor([self.seeds[s] for s in rows], device=self.device)
-            graph = self.use_graphs and prefix_batch(rows)
-            captured = False
+            steps = torch.tensor([self.steps[s] for s in rows], device=device)
+            seeds = torch.tensor([self.seeds[s] for s in rows], device=device)
+            captured_think = False
             if graph:
                 tick = self._graphs.get(len(rows))
                 if tick is None:
-                    captured = True
+                    captured_think = True
                     tick = self._graphs[len(rows)] = CapturedTick(self._think, x, plan, steps, seeds)
                 text, codes = tick.run(x, plan, steps, seeds)
             else:
                 text, codes = self._think(x, plan, steps, seeds)
             self.backbone.cache.commit(plan, slots)
-            if masked:
-                text, codes = text.index_select(0, index), codes.index_select(0, index)
-        out = np.zeros((len(slots), self.samples_per_frame), dtype=np.int16)
-        ready = [row for row, slot in enumerate(slots) if self.steps[slot] > 0]
-        if ready:
-            with record_function("duplex/decode"):
-                ready_rows = torch.tensor(ready, device=self.device)
-                frame = torch.cat(
-                    (
-                        self.pending_semantic.index_select(0, index[ready_rows])[:, None],
-                        codes.index_select(0, ready_rows)[:, 1:],
-                    ),
-                    dim=1,
-                )
-                audio = self.decoder.decode(frame[:, :, None], [slots[row] for row in ready]).clamp(-1.0, 1.0)
-            with record_function("duplex/to_host"):
-                out[ready] = (audio.float() * 32767.0).round().to(torch.int16).cpu().numpy()
-        self.last_text.index_copy_(0, index, text)
-        self.last_model.index_copy_(0, index, codes)
-        self.last_user.index_copy_(0, index, user)
-        self.pending_semantic.index_copy_(0, index, codes[:, 0])
-        for slot in slots:
+        with record_function("duplex/decode"):
+            # A session's first step completes no frame (the acoustic delay): like masked rows, it decodes into the
+            # scratch slot.
+            decoding = [slot in stepping and self.steps[slot] > 0 for slot in rows]
+            frame = torch.cat((self.pending_semantic.index_select(0, row_index)[:, None], codes[:, 1:]), dim=1)
+            decode_in = (
+                frame[:, :, None].contiguous(),
+                torch.tensor(
+                    [slot if use else self.decoder.scratch for slot, use in zip(rows, decoding, strict=True)],
+                    device=device,
+                ),
+            )
+            (pcm_out,), captured_decode = self._stage("decode", self._decode, decode_in, graph)
+        index = torch.tensor(slots, device=device)
+        picked = torch.tensor(live_rows, device=device)
+        step_text = text.index_select(0, picked)
+        step_codes = codes.index_select(0, picked)
+        self.last_text.index_copy_(0, index, step_text)
+        self.last_model.index_copy_(0, index, step_codes)
+        self.last_user.index_copy_(0, index, user.index_select(0, picked))
+        self.pending_semantic.index_copy_(0, index, step_codes[:, 0])
+        with record_function("duplex/to_host"):
+            out = pcm_out.cpu().numpy()[live_rows]
+            tokens = step_text.tolist()
+        for row, slot in enumerate(slots):
+            if self.steps[slot] == 0:
+                out[row] = 0
             self.steps[slot] += 1
-        return StepOutput(text=text.tolist(), pcm=out, rows=len(rows), graph=graph, captured=captured)
+        return StepOutput(
+            text=tokens,
+            pcm=out,
+            rows=len(rows),
+            graph=graph,
+            captured=captured_encode or captured_think or captured_decode,
+        )
+
+    def _encode(self, audio: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.encoder.encode_rows(audio, index),)
+
+    def _decode(self, frame: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor]:
+        audio = self.decoder.decode_frames(frame, index).clamp(-1.0, 1.0)
+        return ((audio.float() * 32767.0).round().to(torch.int16),)
+
+    def _stage(
+        self,
+        name: str,
+        call: Callable[..., tuple[torch.Tensor, ...]],
+        inputs: tuple[torch.Tensor, ...],
+        graph: bool,
+    ) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """Run a codec stage: replayed from its graph for this bucket (captured on first use, on inputs that point
+        every row at the scratch slot, so capturing touches no session), else eagerly. A stage whose capture fails
+        runs eagerly from then on, with a warning: slower, never wrong."""
+        if not graph:
+            return call(*inputs), False
+        key = (name, inputs[0].shape[0])
+        captured = self._codec_graphs.get(key)
+        fresh = False
+        if captured is None and key not in self._codec_eager:
+            scratch = self.encoder.scratch if name == "encode" else self.decoder.scratch
+            harmless = (torch.zeros_like(inputs[0]), torch.full_like(inputs[1], scratch))
+            try:
+                captured = self._codec_graphs[key] = CapturedCall(call, harmless)
+                fresh = True
+            except Exception:
+                log.exception("capturing the duplex %s stage for %d rows failed; it runs eagerly", name, key[1])
+                self._codec_eager.add(key)
+                torch.cuda.synchronize(self.device)
+        if captured is None:
+            return call(*inputs), fresh
+        return captured.run(inputs), fresh
