@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     graphs_ok = None
     if frames.use_graphs:
         graphs_ok = graphs_match_eager(frames, check_batch, steps=6)
-        print(f"CUDA graphs reproduce eager tokens: {graphs_ok}", flush=True)
+        print(f"CUDA graphs reproduce eager tokens and audio: {graphs_ok}", flush=True)
         frames.use_graphs = True
     timings = []
     for batch in batches:
