@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 _AUDIO_SEED_SALT = 0x5EED_A0D10
 
+# Rows of a step's input table, each one value per computed row (the last two: one per stepped slot).
+_ROW_SLOT, _ROW_LIVE, _ROW_ENCODE, _ROW_DECODE, _ROW_POSITION, _ROW_STEP, _ROW_SEED, _ROW_STEPPED, _ROW_PICKED = range(
+    9
+)
+_TABLE_ROWS = 9
+
 
 @dataclass(frozen=True)
 class FrameSettings:
@@ -99,6 +105,14 @@ class FrameModel:
         self._graphs: dict[int, CapturedTick] = {}
         self._codec_graphs: dict[tuple[str, int], CapturedCall] = {}
         self._codec_eager: set[tuple[str, int]] = set()
+        # A step's host inputs go to the device in two copies from pinned memory, without waiting: a copy from
+        # pageable memory waits for the GPU to finish all queued work, a wait (and a GIL hand-off) per input.
+        # Reusing the buffers is safe: a step ends by reading its output, after which its copies are done.
+        pinned = self.device.type == "cuda"
+        self._table_host = torch.zeros((_TABLE_ROWS, self.slots), dtype=torch.long, pin_memory=pinned)
+        self._table = torch.zeros((_TABLE_ROWS, self.slots), dtype=torch.long, device=self.device)
+        self._audio_host = torch.zeros((self.slots, self.samples_per_frame), dtype=torch.float32, pin_memory=pinned)
+        self._audio = torch.zeros((self.slots, self.samples_per_frame), dtype=torch.float32, device=self.device)
 
     def rows_for(self, slots: Sequence[int]) -> tuple[int, ...]:
         """The rows a step of ``slots`` computes: a bucket's ``0..B-1`` when graphs (or masked rows) are in use,
@@ -150,21 +164,39 @@ class FrameModel:
         if len(set(slots)) != len(slots):
             raise ValueError("a step takes each slot at most once")
         rows = self.rows_for(slots)
+        count = len(rows)
         stepping = set(slots)
         at = {slot: row for row, slot in enumerate(rows)}
         live_rows = [at[slot] for slot in slots]  # each stepped slot's row, in the order of ``slots``
         graph = self.use_graphs and prefix_batch(rows)
-        device = self.device
-        audio = np.zeros((len(rows), self.samples_per_frame), dtype=np.float32)
+        # The host inputs of every stage, one row of the table each (see _TABLE_ROWS), in one copy.
+        table = self._table_host.numpy()
+        table[_ROW_SLOT, :count] = rows
+        table[_ROW_LIVE, :count] = [slot in stepping for slot in rows]
+        table[_ROW_ENCODE, :count] = [slot if slot in stepping else self.encoder.scratch for slot in rows]
+        # A session's first step completes no frame (the acoustic delay): like masked rows, it decodes into the
+        # decoder's scratch slot.
+        table[_ROW_DECODE, :count] = [
+            slot if slot in stepping and self.steps[slot] > 0 else self.decoder.scratch for slot in rows
+        ]
+        table[_ROW_POSITION, :count] = [self.backbone.cache.position(slot) for slot in rows]
+        table[_ROW_STEP, :count] = [self.steps[slot] for slot in rows]
+        table[_ROW_SEED, :count] = [self.seeds[slot] for slot in rows]
+        table[_ROW_STEPPED, : len(slots)] = slots
+        table[_ROW_PICKED, : len(slots)] = live_rows
+        audio = self._audio_host.numpy()
+        audio[:count] = 0.0
         audio[live_rows] = pcm.astype(np.float32) / 32768.0
-        row_index = torch.tensor(rows, device=device)
-        live = torch.tensor([slot in stepping for slot in rows], device=device)
-        scratch = self.encoder.scratch
+        # Whole buffers (a few hundred KiB at most): contiguous, so the copies stay pinned and asynchronous.
+        self._table.copy_(self._table_host, non_blocking=True)
+        self._audio.copy_(self._audio_host, non_blocking=True)
+        inputs = self._table[:, :count]
+        row_index = inputs[_ROW_SLOT]
+        live = inputs[_ROW_LIVE] != 0
+        index = inputs[_ROW_STEPPED, : len(slots)]
+        picked = inputs[_ROW_PICKED, : len(slots)]
         with record_function("duplex/encode"):
-            encode_in = (
-                torch.from_numpy(audio).to(device),
-                torch.tensor([slot if slot in stepping else scratch for slot in rows], device=device),
-            )
+            encode_in = (self._audio[:count], inputs[_ROW_ENCODE])
             (user,), captured_encode = self._stage("encode", self._encode, encode_in, graph)
         with record_function("duplex/think"):
             # The user's semantic codebook is current; its acoustic codebooks are the previous frame's. Masked rows
@@ -174,9 +206,8 @@ class FrameModel:
             x = self.backbone.embed(
                 self.last_text.index_select(0, row_index), self.last_model.index_select(0, row_index), user_in
             )
-            plan = self.backbone.cache.step(rows)
-            steps = torch.tensor([self.steps[s] for s in rows], device=device)
-            seeds = torch.tensor([self.seeds[s] for s in rows], device=device)
+            plan = self.backbone.cache.step_at(rows, row_index, inputs[_ROW_POSITION])
+            steps, seeds = inputs[_ROW_STEP], inputs[_ROW_SEED]
             captured_think = False
             if graph:
                 tick = self._graphs.get(len(rows))
@@ -188,20 +219,9 @@ class FrameModel:
                 text, codes = self._think(x, plan, steps, seeds)
             self.backbone.cache.commit(plan, slots)
         with record_function("duplex/decode"):
-            # A session's first step completes no frame (the acoustic delay): like masked rows, it decodes into the
-            # scratch slot.
-            decoding = [slot in stepping and self.steps[slot] > 0 for slot in rows]
             frame = torch.cat((self.pending_semantic.index_select(0, row_index)[:, None], codes[:, 1:]), dim=1)
-            decode_in = (
-                frame[:, :, None].contiguous(),
-                torch.tensor(
-                    [slot if use else self.decoder.scratch for slot, use in zip(rows, decoding, strict=True)],
-                    device=device,
-                ),
-            )
+            decode_in = (frame[:, :, None].contiguous(), inputs[_ROW_DECODE])
             (pcm_out,), captured_decode = self._stage("decode", self._decode, decode_in, graph)
-        index = torch.tensor(slots, device=device)
-        picked = torch.tensor(live_rows, device=device)
         step_text = text.index_select(0, picked)
         step_codes = codes.index_select(0, picked)
         self.last_text.index_copy_(0, index, step_text)
