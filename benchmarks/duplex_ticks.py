@@ -7,8 +7,11 @@ output then falls behind real time.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,6 +53,31 @@ class PacedRun:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def gil_contention(threads: int, *, burst_us: float = 200.0, idle_us: float = 600.0) -> Iterator[None]:
+    """``threads`` threads that hold the GIL in bursts of pure-Python work with short sleeps between, as a loaded
+    server's event loop and codec threads do (each about 25 % of the GIL at the defaults). A step that hands the GIL
+    away often (every eagerly launched op does) waits behind them; a step of a few graph replays hardly does."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            end = time.perf_counter() + burst_us / 1e6
+            while time.perf_counter() < end:
+                pass
+            time.sleep(idle_us / 1e6)
+
+    workers = [threading.Thread(target=spin, name=f"gil-contention-{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -80,6 +80,7 @@ class DuplexEngine(Engine):
                 text_top_k=options.text_top_k,
                 audio_temperature=options.audio_temperature,
                 audio_top_k=options.audio_top_k,
+                codec_graphs=options.codec_graphs,
             ),
         )
         self.sample_rate = self.frames.sample_rate

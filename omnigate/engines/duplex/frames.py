@@ -50,6 +50,7 @@ class FrameSettings:
     cuda_graphs: bool = True  # on CUDA, replay a captured graph per batch size for batches of slots 0..B-1
     buckets: tuple[int, ...] = ()  # batch sizes graphs serve (default: powers of two below ``slots``, and it)
     masked_rows: bool = False  # plan bucket batches with masked rows even without graphs (how CPU tests see it)
+    codec_graphs: bool = True  # with graphs, capture the Mimi encode and decode stages too
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class FrameModel:
         self.seeds = [0] * self.slots
         self.use_graphs = settings.cuda_graphs and self.device.type == "cuda"
         self.masked_rows = settings.masked_rows
+        self.codec_graphs = settings.codec_graphs
         self.buckets = batch_buckets(self.slots, settings.buckets)
         self._graphs: dict[int, CapturedTick] = {}
         self._codec_graphs: dict[tuple[str, int], CapturedCall] = {}
@@ -260,7 +262,7 @@ class FrameModel:
         """Run a codec stage: replayed from its graph for this bucket (captured on first use, on inputs that point
         every row at the scratch slot, so capturing touches no session), else eagerly. A stage whose capture fails
         runs eagerly from then on, with a warning: slower, never wrong."""
-        if not graph:
+        if not graph or not self.codec_graphs:
             return call(*inputs), False
         key = (name, inputs[0].shape[0])
         captured = self._codec_graphs.get(key)
