@@ -124,3 +124,13 @@ async def test_a_new_session_in_a_reused_slot_starts_fresh(engine: DuplexEngine)
     first = await run(11)
     await run(12)  # another session in between, in the same slot
     assert await run(11) == first
+
+
+def test_codec_graphs_can_be_turned_off_from_the_command_line() -> None:
+    duplex = DuplexEngine.load("preset:tiny", max_sessions=1, codec_graphs="false")
+    try:
+        assert duplex.frames.codec_graphs is False and duplex.options.codec_graphs is False
+    finally:
+        duplex.shutdown()
+    with pytest.raises(ValueError, match="invalid duplex option"):
+        DuplexEngine.load("preset:tiny", codec_graphs="sometimes")
