@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.duplex_ticks import graphs_match_eager, largest_within, paced, profile_stages, time_batch
+from benchmarks.duplex_ticks import (
+    gil_contention,
+    graphs_match_eager,
+    largest_within,
+    paced,
+    profile_stages,
+    time_batch,
+)
 from omnigate.engines.duplex.frames import FrameModel, FrameSettings
 from omnigate.engines.duplex.model import build_preset
 
@@ -48,6 +55,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-frames", type=int, default=None, help="attention window (default: the model's)")
     parser.add_argument("--profile-batches", default="1,32", help="batch sizes to split by stage with the profiler")
     parser.add_argument("--no-graphs", action="store_true", help="launch every op eagerly (no CUDA graphs)")
+    parser.add_argument(
+        "--no-codec-graphs", action="store_true", help="capture only the model; launch the Mimi encode/decode eagerly"
+    )
+    parser.add_argument(
+        "--contend-threads",
+        type=int,
+        default=0,
+        help="also run each paced batch with this many threads holding the GIL in bursts (a loaded server's loop)",
+    )
     return parser.parse_args(argv)
 
 
@@ -57,9 +73,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     t0 = time.perf_counter()
     model = build_preset(args.preset, seed=0, device=args.device, dtype=DTYPES[args.dtype])
+    check_batch = min(4, max(batches))
     frames = FrameModel(
         model,
-        FrameSettings(slots=max(batches), context_frames=args.context_frames, cuda_graphs=not args.no_graphs),
+        FrameSettings(
+            slots=max(batches),
+            context_frames=args.context_frames,
+            cuda_graphs=not args.no_graphs,
+            codec_graphs=not args.no_codec_graphs,
+            buckets=tuple(sorted({*batches, check_batch})),  # each timed batch runs as itself, unpadded
+        ),
     )
     build_s = time.perf_counter() - t0
     config = model.moshi.config
@@ -68,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.preset}: {params / 1e9:.2f}B parameters, built in {build_s:.1f} s", flush=True)
     graphs_ok = None
     if frames.use_graphs:
-        graphs_ok = graphs_match_eager(frames, min(4, max(batches)), steps=6)
-        print(f"CUDA graphs reproduce eager tokens: {graphs_ok}", flush=True)
+        graphs_ok = graphs_match_eager(frames, check_batch, steps=6)
+        print(f"CUDA graphs reproduce eager tokens and audio: {graphs_ok}", flush=True)
         frames.use_graphs = True
     timings = []
     for batch in batches:
@@ -90,12 +113,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     capacity = largest_within(timings)
     paced_batches = {int(b) for b in args.paced_batches.split(",") if b} or {capacity, _next(batches, capacity)}
     runs = []
+    contended = []
     for batch in sorted(b for b in paced_batches if b):
         run = paced(frames, batch, seconds=args.paced_seconds, frame_ms=frame_ms)
         runs.append(run)
         print(
             f"paced {batch:3d} sessions for {args.paced_seconds:g} s: {run.missed_ticks} missed, {run.late_ticks} late"
         )
+        if args.contend_threads:
+            with gil_contention(args.contend_threads):
+                run = paced(frames, batch, seconds=args.paced_seconds, frame_ms=frame_ms)
+            contended.append(run)
+            print(
+                f"paced {batch:3d} sessions with {args.contend_threads} GIL-contending threads: {run.missed_ticks} "
+                f"missed, {run.late_ticks} late, step p99 {run.step_ms_p99:.1f} ms",
+                flush=True,
+            )
     zero_missed = max((r.batch for r in runs if r.missed_ticks == 0), default=0)
     zero_late = max((r.batch for r in runs if r.late_ticks == 0), default=0)
     report: dict[str, Any] = {
@@ -119,6 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "stage_ms_by_batch": profiles,
         "largest_batch_within_a_frame": capacity,
         "paced_runs": [r.to_json() for r in runs],
+        "codec_graphs": frames.use_graphs and frames.codec_graphs,
+        "contend_threads": args.contend_threads,
+        "paced_runs_contended": [r.to_json() for r in contended],
         "concurrent_sessions_zero_missed_ticks": zero_missed,
         "concurrent_sessions_zero_late_ticks": zero_late,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,

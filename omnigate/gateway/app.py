@@ -146,6 +146,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
                 metrics.observe_responder_turn, lambda code: metrics.responder_failures.labels(code).inc()
             )
             app.state.realtime = await start_realtime(settings, pool, reports)
+            duplex = app.state.realtime.duplex
+            gateway.duplex_stats = duplex.stats if duplex is not None else None
             gateway.robot_pool = await start_robot_pool(settings, metrics)
             yield
         finally:
@@ -155,6 +157,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             gateway.registry.draining = True
             await webrtc.close_all()
             gateway.pool = None
+            gateway.duplex_stats = None
             await stop_pool()
             await stop_video_engine(app.state.video_engine)
             robot_pool, gateway.robot_pool = gateway.robot_pool, None

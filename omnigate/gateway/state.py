@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from omnigate.engines.duplex.stats import ClockStats
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.settings import Settings
 from omnigate.sessions.registry import SessionRegistry
@@ -23,6 +24,7 @@ class Gateway:
     registry: SessionRegistry = field(default_factory=lambda: SessionRegistry(0))
     load_error: str | None = None
     robot_pool: PolicyPool | None = None  # the robot policy scheduler, when --robot-model names a policy
+    duplex_stats: ClockStats | None = None  # the duplex engine's tick clock, when one serves /v1/realtime
 
     @property
     def ready(self) -> bool:

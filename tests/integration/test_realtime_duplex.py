@@ -8,11 +8,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from omnigate.gateway.settings import Settings
+from omnigate.loadtest.metrics import parse_metrics
 from tests.integration.test_realtime_ws import pcm_of, realtime, recv, until
 from tests.serving import RunningServer, serve
 from tests.unit.test_realtime_protocol import validate_server_event
@@ -71,8 +73,16 @@ async def test_a_duplex_session_speaks_while_listening_and_cancels_cleanly(besid
                 audio.append(await recv(connection))
             await connection.response.cancel()
             rest = await until(connection, "response.done")
+            async with httpx.AsyncClient(base_url=beside_tts.http_url) as client:
+                metrics = parse_metrics((await client.get("/metrics")).text)
         finally:
             sender.cancel()
+    # The clock's counters reach /metrics: the frames just heard were ticks (eager on the CPU), none captured.
+    value = {key: number for key, (_, number) in metrics.items()}
+    assert value['omnigate_duplex_ticks_total{mode="eager"}'] >= 3
+    assert value['omnigate_duplex_ticks_total{mode="graph"}'] == value["omnigate_duplex_graph_captures_total"] == 0
+    assert value["omnigate_duplex_frames_total"] >= 3 and value["omnigate_duplex_sessions"] == 1
+    assert value["omnigate_duplex_step_seconds_count"] >= 3
     done = rest[-1]["response"]
     assert done["id"] == response_id and done["status"] == "cancelled"
     assert done["status_details"]["reason"] == "client_cancelled"

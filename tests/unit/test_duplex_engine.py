@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -55,11 +56,16 @@ async def test_every_tick_yields_a_frame_and_silence_keeps_the_clock(engine: Dup
     assert engine.pending_input_bytes(session) == 0
 
 
-async def test_a_session_without_credit_sits_out(engine: DuplexEngine) -> None:
+@pytest.mark.parametrize("masked_rows", [False, True], ids=["exact-rows", "bucket-rows"])
+async def test_a_session_without_credit_sits_out(engine: DuplexEngine, masked_rows: bool) -> None:
+    # bucket-rows: ticks planned as with CUDA graphs (slots 0..B-1, a session without credit as a masked row).
+    engine.frames.masked_rows = masked_rows
+    before = dataclasses.replace(engine.stats)
     frames, other = Frames(), Frames()
     paused = engine.open_session(frames, max_input_bytes=FRAME_BYTES, initial_credit_frames=2)
     running = engine.open_session(other, max_input_bytes=FRAME_BYTES, initial_credit_frames=100)
     try:
+        assert engine.stats.sessions == 2
         await frames.take(2)
         await other.take(6)  # the other session keeps ticking meanwhile
         assert frames.queue.empty()
@@ -69,6 +75,19 @@ async def test_a_session_without_credit_sits_out(engine: DuplexEngine) -> None:
     finally:
         engine.close_session(paused)
         engine.close_session(running)
+        engine.frames.masked_rows = False
+    after = engine.stats
+    assert after.sessions == 0
+    assert after.sat_out - before.sat_out >= 3  # the paused session sat out at least 3 of the other's ticks
+    ticks = after.ticks - before.ticks
+    assert after.eager_ticks - before.eager_ticks == ticks and after.graph_ticks == after.graph_captures == 0
+    assert after.frames - before.frames >= 9
+    masked = (after.rows - before.rows) - (after.frames - before.frames)
+    if masked_rows:
+        assert masked >= 3  # the paused session's row was computed, masked, on the ticks it sat out
+    else:
+        assert masked == 0
+    assert sum(after.step_counts) == after.ticks and after.step_seconds_total > 0
 
 
 async def test_caps_refusals_and_the_text_contract(engine: DuplexEngine) -> None:
@@ -105,3 +124,13 @@ async def test_a_new_session_in_a_reused_slot_starts_fresh(engine: DuplexEngine)
     first = await run(11)
     await run(12)  # another session in between, in the same slot
     assert await run(11) == first
+
+
+def test_codec_graphs_can_be_turned_off_from_the_command_line() -> None:
+    duplex = DuplexEngine.load("preset:tiny", max_sessions=1, codec_graphs="false")
+    try:
+        assert duplex.frames.codec_graphs is False and duplex.options.codec_graphs is False
+    finally:
+        duplex.shutdown()
+    with pytest.raises(ValueError, match="invalid duplex option"):
+        DuplexEngine.load("preset:tiny", codec_graphs="sometimes")

@@ -11,9 +11,11 @@ import pytest
 import torch
 from transformers import MimiConfig, MimiModel
 
+from omnigate.engines.duplex import frames as frames_module
 from omnigate.engines.duplex.backbone import SlotBackbone
 from omnigate.engines.duplex.depth import DepthSampler
 from omnigate.engines.duplex.frames import FrameModel, FrameSettings
+from omnigate.engines.duplex.graphs import batch_buckets, bucket_rows
 from omnigate.engines.duplex.mimi_encoder import MimiStreamEncoder
 from omnigate.engines.duplex.model import DuplexModel, ModelSpecError, build_preset, load_duplex_model
 from omnigate.engines.talker.model import randomize_codebooks
@@ -153,6 +155,110 @@ def test_a_session_is_the_same_alone_in_a_batch_and_in_a_reused_slot() -> None:
         assert np.abs(a - b).max() <= 2  # float32 batching changes rounding only
     first = np.frombuffer(alone[1][: 2 * FRAME], dtype=np.int16)
     assert not first.any() and np.frombuffer(alone[1][2 * FRAME :], dtype=np.int16).any()  # frame 0: delay pattern
+
+
+def test_ticks_are_planned_as_bucket_prefixes_whatever_slots_step() -> None:
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(5) == (1, 2, 4, 5)
+    assert batch_buckets(64, (16, 48, 100)) == (16, 48, 64)
+    buckets = batch_buckets(64)
+    assert bucket_rows([0, 2], buckets) == (0, 1, 2, 3)
+    assert bucket_rows([5], buckets) == tuple(range(8))
+    every_but_one = [slot for slot in range(64) if slot != 17]  # a live session without credit, at full load
+    assert bucket_rows(every_but_one, buckets) == tuple(range(64))
+    assert bucket_rows([33, 40], buckets) == tuple(range(64))  # slots scattered by sessions that came and went
+    with pytest.raises(ValueError, match="beyond the largest bucket"):
+        bucket_rows([64], buckets)
+
+
+Outputs = dict[int, tuple[list[int], bytes]]
+
+
+def _sitting_out(
+    model: DuplexModel, inputs: dict[int, np.ndarray], sit_out: set[int]
+) -> tuple[Outputs, list[int], FrameModel]:
+    """Every slot of ``inputs`` steps on each tick with its next input frame, except slot 1 on the ticks in
+    ``sit_out``; the model plans its batches as with CUDA graphs (bucket prefixes, masked rows)."""
+    frames = FrameModel(model, FrameSettings(slots=5, masked_rows=True))  # buckets 1, 2, 4, 5
+    for slot in inputs:
+        frames.reset(slot, seed=slot + 20)
+    taken = dict.fromkeys(inputs, 0)
+    out: Outputs = {slot: ([], b"") for slot in inputs}
+    rows = []
+    for tick in range(len(inputs[0])):
+        slots = [s for s in sorted(inputs) if not (s == 1 and tick in sit_out)]
+        step = frames.step(slots, np.stack([inputs[s][taken[s]] for s in slots]))
+        rows.append(step.rows)
+        assert step.graph == frames.use_graphs
+        for row, slot in enumerate(slots):
+            taken[slot] += 1
+            tokens, pcm = out[slot]
+            out[slot] = ([*tokens, step.text[row]], pcm + step.pcm[row].tobytes())
+    return out, rows, frames
+
+
+def test_a_session_that_sits_ticks_out_is_untouched_while_the_batch_stays_a_bucket() -> None:
+    model = build_preset("tiny", seed=0, device="cpu", dtype=torch.float32)
+    rng = np.random.default_rng(5)
+    inputs = {slot: (rng.standard_normal((8, FRAME)) * 3000).astype(np.int16) for slot in (0, 1, 2)}
+    always, always_rows, reference = _sitting_out(model, inputs, set())
+    paused, paused_rows, frames = _sitting_out(model, inputs, {2, 3, 6})
+    # Every tick computes slots 0..3 (slot 3 is free, slot 1 sometimes sits out): the batch a graph serves.
+    assert always_rows == paused_rows == [4] * 8
+    # The session that sat out three ticks continues exactly where it stopped: bit for bit the frames of a run
+    # where it never sat out (its masked rows committed nothing: codec state, tokens, counters, cache).
+    tokens, pcm = paused[1]
+    assert len(tokens) == 5
+    assert tokens == always[1][0][:5] and pcm == always[1][1][: 5 * 2 * FRAME]
+    assert frames.steps[1] == frames.backbone.cache.position(1) == 5
+    # A free slot computed as a masked row on every tick has not moved either.
+    assert frames.steps[3] == frames.backbone.cache.position(3) == 0
+    assert reference.steps[3] == reference.backbone.cache.position(3) == 0
+    # The sessions that kept stepping are unaffected, bit for bit: every batch, codec stages included, had the same
+    # rows in both runs.
+    for slot in (0, 2):
+        assert paused[slot] == always[slot]
+
+
+class _CapturedOnCpu:
+    """Stands in for a captured CUDA graph on the CPU: "capturing" runs the call three times on the capture inputs
+    (as the real capture's warm-up and capture do, writes included); a replay runs it on the replay inputs."""
+
+    captures = 0
+
+    def __init__(self, call: Any, *inputs: Any) -> None:
+        self.call = call
+        captured = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], tuple) else inputs
+        for _ in range(3):
+            call(*captured)
+        _CapturedOnCpu.captures += 1
+
+    def run(self, *inputs: Any) -> Any:
+        return self.call(*(inputs[0] if len(inputs) == 1 and isinstance(inputs[0], tuple) else inputs))
+
+
+def test_capturing_graphs_touches_no_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph path's own logic, on the CPU: captures (codec stages on scratch rows, the model on the tick's own
+    rows) change no session's state, so a run that captures on live ticks equals one that never captures."""
+    model = build_preset("tiny", seed=0, device="cpu", dtype=torch.float32)
+    rng = np.random.default_rng(6)
+    inputs = {slot: (rng.standard_normal((6, FRAME)) * 3000).astype(np.int16) for slot in (0, 1, 2)}
+    eager, _, _ = _sitting_out(model, inputs, {1, 4})
+    monkeypatch.setattr(frames_module, "CapturedCall", _CapturedOnCpu)
+    monkeypatch.setattr(frames_module, "CapturedTick", _CapturedOnCpu)
+    monkeypatch.setattr(FrameModel, "rows_for", lambda self, slots: bucket_rows(slots, self.buckets))
+    original = FrameModel.__init__
+
+    def with_graphs(self: FrameModel, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.use_graphs = True
+
+    monkeypatch.setattr(FrameModel, "__init__", with_graphs)
+    _CapturedOnCpu.captures = 0
+    replayed, _, frames = _sitting_out(model, inputs, {1, 4})
+    assert replayed == eager
+    assert _CapturedOnCpu.captures == 3  # encode, model, decode: once each for the one bucket used (4 rows)
+    assert set(frames._graphs) == {4} and set(frames._codec_graphs) == {("encode", 4), ("decode", 4)}
 
 
 def test_model_specs() -> None:

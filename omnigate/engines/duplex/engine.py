@@ -3,8 +3,12 @@
 A clock thread keeps the ticks: at each tick it takes one frame of each session's buffered audio (or a frame of
 silence when the client sent none, so the model keeps listening in real time), steps the model once for all of
 them and hands each session its output frame on the session's event loop. A session whose consumer has no room
-(no credit) sits the tick out, so a stalled client costs no model time. A tick whose step ends after the next tick
-was due is late; a clock that falls more than one tick behind drops the backlog and counts the ticks it missed.
+(no credit) sits the tick out: its row is computed but masked, so it neither hears nor says anything that tick and
+its input waits, capped, for the next (a stalled client costs bounded memory; the model's time for it pauses).
+Every tick is a batch of slots ``0..B-1`` for one of a few bucket sizes, which a CUDA graph captured at load serves,
+whichever sessions have credit and wherever their slots are. A tick whose step ends after the next tick was due is
+late; a clock that falls more than one tick behind drops the backlog and counts the ticks it missed
+(:class:`ClockStats`, exported on ``/metrics``).
 
 The engine also implements the text-stream :class:`Engine` contract, refusing it: a speech-to-speech model has
 nothing to say about text alone.
@@ -40,6 +44,7 @@ from omnigate.engines.duplex.frames import FrameModel, FrameSettings
 from omnigate.engines.duplex.model import DuplexModel, load_duplex_model
 from omnigate.engines.duplex.options import TORCH_DTYPES, DuplexOptions
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
+from omnigate.engines.duplex.stats import ClockStats
 from omnigate.os_threads import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -50,25 +55,12 @@ _SEED_MASK = (1 << 62) - 1
 _NOT_TEXT = "the duplex engine is speech-to-speech: it serves /v1/realtime sessions, not text synthesis"
 
 
-@dataclass
-class ClockStats:
-    """Counters of the tick clock (read without the lock: each is written by the clock thread only)."""
-
-    ticks: int = 0
-    late_ticks: int = 0
-    missed_ticks: int = 0
-    frames: int = 0
-    step_seconds_total: float = 0.0
-    step_seconds_max: float = 0.0
-    last_batch: int = 0
-
-
 @dataclass(frozen=True)
 class _Row:
-    """One row of a tick: a session's slot and input, or (``session`` None) a free slot stepped as padding."""
+    """One session's step in a tick: its slot and its input frame."""
 
     slot: int
-    session: DuplexSession | None
+    session: DuplexSession
     pcm: bytes
     real_input: bool
 
@@ -88,6 +80,7 @@ class DuplexEngine(Engine):
                 text_top_k=options.text_top_k,
                 audio_temperature=options.audio_temperature,
                 audio_top_k=options.audio_top_k,
+                codec_graphs=options.codec_graphs,
             ),
         )
         self.sample_rate = self.frames.sample_rate
@@ -102,8 +95,6 @@ class DuplexEngine(Engine):
         self._thread: threading.Thread | None = None
         self._tokenizer: Any = model.tokenizer
         self._silence = bytes(2 * self.samples_per_frame)
-        # Batch sizes a captured graph exists for: ticks are padded up to the next one with free slots.
-        self._buckets = _buckets(options.max_sessions)
         self._warm_up()
         voice = VoiceInfo(id=VOICE_ID, name="The model's own voice", description=model.name)
         self.info = EngineInfo(
@@ -122,21 +113,22 @@ class DuplexEngine(Engine):
 
     def _warm_up(self) -> None:
         """Steps at load, so live ticks pay for no kernel compilation, first allocation or graph capture: one eager
-        step, then (with CUDA graphs) one step of every batch bucket, which captures its graph."""
-        graphs = self.frames.use_graphs
+        step, then (with CUDA graphs) one step of every batch bucket, which captures its graph. Every later tick is
+        one of these buckets, so no live tick captures."""
+        graphs, masked = self.frames.use_graphs, self.frames.masked_rows
         silence = np.zeros((self.options.max_sessions, self.samples_per_frame), dtype=np.int16)
         try:
             with torch.inference_mode():
-                self.frames.use_graphs = False
+                self.frames.use_graphs = self.frames.masked_rows = False
                 self.frames.reset(0, seed=0)
                 self.frames.step([0], silence[:1])
-                self.frames.use_graphs = graphs
-                for bucket in self._buckets if graphs else ():
+                self.frames.use_graphs, self.frames.masked_rows = graphs, masked
+                for bucket in self.frames.buckets if graphs else ():
                     for slot in range(bucket):
                         self.frames.reset(slot, seed=0)
                     self.frames.step(list(range(bucket)), silence[:bucket])
         finally:
-            self.frames.use_graphs = graphs
+            self.frames.use_graphs, self.frames.masked_rows = graphs, masked
             for slot in range(self.options.max_sessions):
                 self.frames.reset(slot, seed=0)
 
@@ -193,6 +185,7 @@ class DuplexEngine(Engine):
                 credit_frames=initial_credit_frames,
             )
             self._sessions[session_id] = session
+            self.stats.sessions = len(self._sessions)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="omnigate-clock", daemon=True)
                 self._thread.start()
@@ -234,6 +227,7 @@ class DuplexEngine(Engine):
             session.closed = True
             session.pending.clear()
             self._sessions.pop(session.id, None)
+            self.stats.sessions = len(self._sessions)
             # The slot's state is reset on the clock thread before its next session's first step, so it is safe
             # to hand out now even while a step that includes the old session is still running.
             self._free_slots.add(session.slot)
@@ -245,6 +239,7 @@ class DuplexEngine(Engine):
             for session in list(self._sessions.values()):
                 session.closed = True
             self._sessions.clear()
+            self.stats.sessions = 0
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(10.0)
@@ -272,11 +267,12 @@ class DuplexEngine(Engine):
                     return
                 batch = self._collect_locked()
             if batch:
-                self._tick(batch)
+                self._tick(batch, now)
             end = time.monotonic()
             due = deadline + self.frame_s
             if end > due:
                 self.stats.late_ticks += 1
+                self.stats.late_seconds_total += end - due
             deadline = due
             behind = int((end - deadline) / self.frame_s)
             if behind >= 1:
@@ -285,10 +281,13 @@ class DuplexEngine(Engine):
                 deadline += behind * self.frame_s
 
     def _collect_locked(self) -> list[_Row]:
+        """One input frame of every session with credit, lowest slot first. The others sit the tick out: the model
+        computes their rows masked (:meth:`FrameModel.step`), so the batch stays one a captured graph serves."""
         frame_bytes = 2 * self.samples_per_frame
         batch: list[_Row] = []
         for session in self._sessions.values():
             if session.credit_frames <= 0:
+                self.stats.sat_out += 1
                 continue
             session.credit_frames -= 1
             if len(session.pending) >= frame_bytes:
@@ -297,22 +296,14 @@ class DuplexEngine(Engine):
                 batch.append(_Row(session.slot, session, pcm, True))
             else:
                 batch.append(_Row(session.slot, session, self._silence, False))
-        if batch and self.frames.use_graphs:
-            # Captured graphs serve slots 0..B-1 for bucket sizes B: step free slots as padding rows up to the next
-            # bucket (their state is reset before a session takes them), unless a live session sits out this tick
-            # in that range; then the tick runs eagerly on exactly its slots.
-            stepped = {row.slot for row in batch}
-            size = next(b for b in self._buckets if b > max(stepped))
-            holes = set(range(size)) - stepped
-            if holes <= self._free_slots:
-                batch.extend(_Row(slot, None, self._silence, False) for slot in holes)
         batch.sort(key=lambda row: row.slot)
         return batch
 
-    def _tick(self, batch: list[_Row]) -> None:
+    def _tick(self, batch: list[_Row], started: float) -> None:
+        cpu0 = time.thread_time()
         t0 = time.monotonic()
         for row in batch:
-            if row.session is not None and row.session.fresh:
+            if row.session.fresh:
                 row.session.fresh = False
                 self.frames.reset(row.slot, row.session.seed)
         slots = [row.slot for row in batch]
@@ -323,22 +314,28 @@ class DuplexEngine(Engine):
         except Exception:
             log.exception("duplex step failed; closing the sessions in it")
             for row in batch:
-                if row.session is not None:
-                    self._fail(row.session)
+                self._fail(row.session)
             return
-        elapsed = time.monotonic() - t0
         stats = self.stats
+        stats.observe_step(time.monotonic() - t0)
         stats.ticks += 1
         stats.frames += len(batch)
-        stats.last_batch = len(batch)
-        stats.step_seconds_total += elapsed
-        stats.step_seconds_max = max(stats.step_seconds_max, elapsed)
+        stats.rows += out.rows
+        stats.last_batch = out.rows
+        stats.last_frames = len(batch)
+        if out.graph:
+            stats.graph_ticks += 1
+        else:
+            stats.eager_ticks += 1
+        if out.captured:
+            stats.graph_captures += 1
+            log.warning("the duplex clock captured a CUDA graph for %d rows on a live tick", out.rows)
         frame_ms = self.frame_s * 1000.0
         listen = self.options.listen_token_id
+        # One hand-off per event loop per tick (not one per session): fewer wake-ups of the loop, less contention.
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[DuplexSession, DuplexFrame]]] = {}
         for index, row in enumerate(batch):
             session = row.session
-            if session is None:
-                continue
             token = out.text[index]
             frame = DuplexFrame(
                 tick=session.ticks,
@@ -350,13 +347,18 @@ class DuplexEngine(Engine):
                 input_ms=frame_ms if row.real_input else 0.0,
             )
             session.ticks += 1
+            deliveries.setdefault(session.loop, []).append((session, frame))
+        for loop, frames in deliveries.items():
             with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to receive
-                session.loop.call_soon_threadsafe(self._deliver, session, frame)
+                loop.call_soon_threadsafe(self._deliver, frames)
+        stats.tick_seconds_total += time.monotonic() - started
+        stats.clock_cpu_seconds_total += time.thread_time() - cpu0
 
     def _fail(self, session: DuplexSession) -> None:
         with self._cond:
             session.closed = True
             self._sessions.pop(session.id, None)
+            self.stats.sessions = len(self._sessions)
             self._free_slots.add(session.slot)
 
     def _piece(self, token: int) -> str:
@@ -368,17 +370,12 @@ class DuplexEngine(Engine):
         return piece.replace("\u2581", " ") if isinstance(piece, str) else ""
 
     @staticmethod
-    def _deliver(session: DuplexSession, frame: DuplexFrame) -> None:
-        # Runs on the session's loop, where close_session runs too: nothing reaches a closed session's sink.
-        if not session.closed:
-            session.sink(frame)
-
-
-def _buckets(max_sessions: int) -> tuple[int, ...]:
-    """Powers of two below ``max_sessions``, and ``max_sessions``: few captures, at most 2x padding."""
-    sizes = {max_sessions}
-    size = 1
-    while size < max_sessions:
-        sizes.add(size)
-        size *= 2
-    return tuple(sorted(sizes))
+    def _deliver(frames: list[tuple[DuplexSession, DuplexFrame]]) -> None:
+        # Runs on the sessions' loop, where close_session runs too: nothing reaches a closed session's sink.
+        for session, frame in frames:
+            if session.closed:
+                continue
+            try:
+                session.sink(frame)
+            except Exception:  # one session's failure is its own: the others still get their frames
+                log.exception("a duplex session's frame sink raised")

@@ -5,6 +5,10 @@ codes. Every convolution of the encoder keeps, per slot, the input samples its n
 (zeros at the start, or the first sample repeated for replicate-padded ones); the encoder transformer keeps the keys
 and values of its sliding window per slot. Encoding a stream frame by frame therefore gives the same codes as one
 ``MimiModel.encode`` call over the whole stream, and sessions of different ages share one batched call.
+
+Session state lives in device slots, positions and first-frame flags included, so :meth:`MimiStreamEncoder.encode_rows`
+reads nothing from the host and can be captured in a CUDA graph. One extra slot, :attr:`MimiStreamEncoder.scratch`,
+absorbs rows of a fixed-size batch that carry no session's frame (its state is garbage by design).
 """
 
 from __future__ import annotations
@@ -67,21 +71,20 @@ class _WindowedEncoderTransformer(SlotKvLayers):
         shape = (len(self.layers), slots, self.past, self.kv_heads, self.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.positions = [0] * slots
+        self.positions = torch.zeros(slots, device=device, dtype=torch.int64)
 
     def reset(self, slot: int) -> None:
         self.positions[slot] = 0
 
-    def __call__(self, x: torch.Tensor, slots: Sequence[int], index: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         steps = x.shape[1]
-        start = torch.tensor([self.positions[s] for s in slots], device=x.device)
+        start = self.positions.index_select(0, index)
         positions = start[:, None] + torch.arange(steps, device=x.device)[None, :]
         cos, sin = self.rotary(x, positions)
         allowed = self._allowed(start, steps, x.device)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, cos, sin, allowed, index)
-        for s in slots:
-            self.positions[s] += steps
+        self.positions.index_copy_(0, index, start + steps)
         return x
 
     def _allowed(self, start: torch.Tensor, steps: int, device: torch.device) -> torch.Tensor:
@@ -107,6 +110,8 @@ class MimiStreamEncoder:
         self.device: torch.device = param.device
         self.dtype: torch.dtype = param.dtype
         self.max_slots = max_slots
+        self.scratch = max_slots
+        slots = max_slots + 1
         self.num_codebooks = num_codebooks
         self.sample_rate = int(mimi.config.sampling_rate)
         self.samples_per_frame = round(self.sample_rate / float(mimi.config.frame_rate))
@@ -115,13 +120,11 @@ class MimiStreamEncoder:
         self._convs: dict[nn.Module, _StridedConvState] = {}
         for module in encoder.encoder_seanet.modules():
             if isinstance(module, MimiConv1d):
-                self._convs[module] = _StridedConvState(module, max_slots, self.device, self.dtype)
+                self._convs[module] = _StridedConvState(module, slots, self.device, self.dtype)
         downsample = encoder.downsample
-        self._downsample = (
-            None if downsample is None else _StridedConvState(downsample, max_slots, self.device, self.dtype)
-        )
-        self._transformer = _WindowedEncoderTransformer(encoder.encoder_transformer, max_slots, self.device, self.dtype)
-        self._fresh = [True] * max_slots
+        self._downsample = None if downsample is None else _StridedConvState(downsample, slots, self.device, self.dtype)
+        self._transformer = _WindowedEncoderTransformer(encoder.encoder_transformer, slots, self.device, self.dtype)
+        self._fresh = torch.ones(slots, dtype=torch.bool, device=self.device)
 
     def reset(self, slot: int) -> None:
         """Forget the session in ``slot``: its next frame starts a new stream."""
@@ -138,16 +141,20 @@ class MimiStreamEncoder:
         ``[B, num_codebooks]`` codes."""
         if pcm.shape != (len(slots), self.samples_per_frame) or len(set(slots)) != len(slots):
             raise ValueError(f"encode needs one distinct slot per row of {self.samples_per_frame} samples")
-        index = torch.tensor(list(slots), device=self.device)
-        fresh = torch.tensor([self._fresh[s] for s in slots], device=self.device)
-        x = pcm.to(self.device, self.dtype)[:, None, :]
+        return self.encode_rows(pcm.to(self.device), torch.tensor(list(slots), device=self.device))
+
+    @torch.no_grad()
+    def encode_rows(self, pcm: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """:meth:`encode` with the slots as a device tensor and no checks or host reads (CUDA-graph safe). Rows may
+        repeat :attr:`scratch`."""
+        fresh = self._fresh.index_select(0, index)
+        x = pcm.to(self.dtype)[:, None, :]
         for layer in self._seanet:
             x = self._run(layer, x, index, fresh)
-        x = self._transformer(x.transpose(1, 2), slots, index).transpose(1, 2)
+        x = self._transformer(x.transpose(1, 2), index).transpose(1, 2)
         if self._downsample is not None:
             x = self._downsample(x, index, fresh)
-        for s in slots:
-            self._fresh[s] = False
+        self._fresh.index_fill_(0, index, False)
         codes: torch.Tensor = self._quantizer.encode(x, self.num_codebooks)  # [K, B, 1]
         return codes[:, :, -1].transpose(0, 1)
 

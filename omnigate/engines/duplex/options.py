@@ -31,3 +31,4 @@ class DuplexOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0  # weights of presets and the sampling seeds of sessions
     listen_token_id: Annotated[int, msgspec.Meta(ge=0)] = 3  # the text id a Moshi model emits while it listens
     retry_after_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0  # hint given to a session refused for capacity
+    codec_graphs: bool = True  # on CUDA, capture the Mimi encode/decode per batch bucket too (false: launch them)

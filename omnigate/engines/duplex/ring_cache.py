@@ -60,14 +60,19 @@ class RingKVCache:
 
     def step(self, slots: Sequence[int]) -> RingStep:
         """Plan one step for each of ``slots``."""
-        positions = [self._positions[s] for s in slots]
-        filled = torch.tensor([min(p + 1, self.window) for p in positions], device=self.device)
+        positions = torch.tensor([self._positions[s] for s in slots], device=self.device)
+        return self.step_at(slots, torch.tensor(list(slots), device=self.device), positions)
+
+    def step_at(self, slots: Sequence[int], index: torch.Tensor, positions: torch.Tensor) -> RingStep:
+        """:meth:`step` from device tensors the caller already holds: ``index`` (the slots) and ``positions``
+        (:meth:`position` of each), so planning a step copies nothing from the host."""
+        filled = (positions + 1).clamp(max=self.window)
         allowed = torch.arange(self.window, device=self.device)[None, :] < filled[:, None]
         return RingStep(
             slots=tuple(slots),
-            index=torch.tensor(list(slots), device=self.device),
-            positions=torch.tensor(positions, device=self.device),
-            ring=torch.tensor([p % self.window for p in positions], device=self.device),
+            index=index,
+            positions=positions,
+            ring=positions % self.window,
             allowed=allowed[:, None, :],
             rows=_as_range(slots),
         )
@@ -82,9 +87,13 @@ class RingKVCache:
             return self.keys[layer, step.rows], self.values[layer, step.rows]
         return self.keys[layer].index_select(0, step.index), self.values[layer].index_select(0, step.index)
 
-    def commit(self, step: RingStep) -> None:
-        """Count the step as taken, once every layer has written it."""
-        for slot in step.slots:
+    def commit(self, step: RingStep, slots: Sequence[int] | None = None) -> None:
+        """Count the step as taken for ``slots`` (default: all of its rows), once every layer has written it.
+
+        A row left out (masked) stays where it was: the entry it wrote is the one its next real step writes
+        again, and the entry that held before it is the one that step evicts, so its history is unchanged.
+        """
+        for slot in step.slots if slots is None else slots:
             self._positions[slot] += 1
 
 

@@ -10,9 +10,10 @@ from collections.abc import Iterator
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from omnigate.engines.duplex.stats import STEP_BUCKETS_S, ClockStats
 from omnigate.gateway.state import Gateway
 from omnigate.sessions.realtime.responder import TurnTimings
 
@@ -23,7 +24,7 @@ class _GatewayCollector(Collector):
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         gw = self._gateway
         reg = gw.registry
         active = GaugeMetricFamily("omnigate_sessions_active", "Live sessions", labels=["transport"])
@@ -71,6 +72,8 @@ class _GatewayCollector(Collector):
             robot_failed = CounterMetricFamily("omnigate_robot_failed_steps", "Policy steps that raised")
             robot_failed.add_metric([], robot.failed_steps_total)
             yield robot_failed
+        if gw.duplex_stats is not None:
+            yield from _duplex_metrics(gw.duplex_stats)
         pool = gw.pool
         if pool is None:
             return
@@ -110,6 +113,60 @@ class _GatewayCollector(Collector):
         failed = CounterMetricFamily("omnigate_engine_failed", "Engine streams failed", labels=["engine"])
         failed.add_metric([family], pool.failed_total)
         yield failed
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+def _duplex_metrics(stats: ClockStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    """The duplex engine's tick clock: whether ticks keep the 80 ms frame, how they ran, what they carried."""
+    yield GaugeMetricFamily("omnigate_duplex_sessions", "Live duplex sessions", value=stats.sessions)
+    ticks = CounterMetricFamily(
+        "omnigate_duplex_ticks", "Ticks of the duplex clock, by how the model ran", labels=["mode"]
+    )
+    ticks.add_metric(["graph"], stats.graph_ticks)
+    ticks.add_metric(["eager"], stats.eager_ticks)
+    yield ticks
+    yield _counter("omnigate_duplex_late_ticks", "Ticks that ended after the next tick was due", stats.late_ticks)
+    yield _counter(
+        "omnigate_duplex_late_seconds", "How far past their due time late ticks ended, summed", stats.late_seconds_total
+    )
+    yield _counter(
+        "omnigate_duplex_missed_ticks",
+        "Ticks dropped because the clock fell more than a tick behind",
+        stats.missed_ticks,
+    )
+    yield _counter(
+        "omnigate_duplex_graph_captures",
+        "CUDA graphs captured on a live tick (after the warm-up)",
+        stats.graph_captures,
+    )
+    yield _counter("omnigate_duplex_frames", "Session frames produced (committed session steps)", stats.frames)
+    yield _counter("omnigate_duplex_rows", "Rows the model computed: session frames plus masked rows", stats.rows)
+    yield _counter("omnigate_duplex_sat_out", "Session-ticks a live session sat out for lack of credit", stats.sat_out)
+    yield GaugeMetricFamily("omnigate_duplex_last_batch_size", "Rows of the last tick", value=stats.last_batch)
+    yield GaugeMetricFamily("omnigate_duplex_last_frames", "Session frames of the last tick", value=stats.last_frames)
+    yield GaugeMetricFamily(
+        "omnigate_duplex_step_seconds_max", "Longest model step since load", value=stats.step_seconds_max
+    )
+    yield _counter(
+        "omnigate_duplex_tick_seconds", "Wall time of ticks (input, step, hand-off)", stats.tick_seconds_total
+    )
+    yield _counter(
+        "omnigate_duplex_clock_cpu_seconds",
+        "CPU time of the clock thread in ticks (well below tick time: it waited, for the GIL or the OS)",
+        stats.clock_cpu_seconds_total,
+    )
+    cumulative, buckets = 0, []
+    for bound, count in zip((*STEP_BUCKETS_S, float("inf")), stats.step_counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    step = HistogramMetricFamily("omnigate_duplex_step_seconds", "Duration of one model step of the duplex clock")
+    step.add_metric([], buckets, sum_value=stats.step_seconds_total)
+    yield step
 
 
 class Metrics:

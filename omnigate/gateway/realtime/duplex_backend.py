@@ -12,6 +12,7 @@ from typing import Protocol
 
 from omnigate.engines.base import EngineInfo
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
+from omnigate.engines.duplex.stats import ClockStats
 from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
 from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
 from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
@@ -28,6 +29,7 @@ class DuplexEngineApi(Protocol):
     info: EngineInfo
     sample_rate: int
     frame_s: float
+    stats: ClockStats
 
     def open_session(
         self, sink: FrameSink, *, max_input_bytes: int, initial_credit_frames: int, seed: int | None = None
