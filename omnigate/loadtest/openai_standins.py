@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import re
 import socket
+import sys
 import time
 import wave
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -465,6 +468,26 @@ class StandinServer:
         async with self:
             assert self._task is not None
             await self._task
+
+
+@contextlib.asynccontextmanager
+async def standins_process(options: Sequence[str], log: Path) -> AsyncIterator[str]:
+    """``omnigate-loadtest standins --port 0 *options`` in a child process (its timing then owes nothing to the
+    caller's loop) until the block ends; yields its base URL (``http://127.0.0.1:PORT/v1``)."""
+    command = [sys.executable, "-m", "omnigate.loadtest.cli", "standins", "--port", "0", *options]
+    with log.open("wb") as errors:
+        process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, stderr=errors)
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(60.0):
+            line = (await process.stdout.readline()).decode()
+        if not line.startswith("stand-ins on "):
+            raise RuntimeError(f"the stand-ins did not start (exit {await process.wait()}); see {log}")
+        yield line.split()[2]
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
 
 
 def _script(path: str) -> list[ScriptedReply]:

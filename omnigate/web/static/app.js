@@ -1,6 +1,9 @@
 "use strict";
 // The omnigate talk page. Speaks text over WebRTC (POST /v1/realtime/calls, events on the "speech" data channel,
-// audio on the media track), or over the WebSocket speech stream when WebRTC is unavailable or fails.
+// audio on the media track), or over the WebSocket speech stream when WebRTC is unavailable or fails. When the
+// server answers the user (serve --llm-url: /web/config.json names a responder), its talk mode holds a realtime
+// conversation: the microphone in over WebRTC (the OpenAI Realtime protocol on the "oai-events" data channel), the
+// server's VAD ends each turn, and the reply comes back on the media track.
 // window.omnigate exposes the state for scripted use (the browser test reads it).
 
 const $ = (id) => document.getElementById(id);
@@ -21,6 +24,9 @@ const talk = {
   remoteStream: null,
   utterance: null, // {sends: [[ms, nonSpaceChars]], reference, waiting}
   stats: { ttfaMs: null, peakRms: 0, audibleFrames: 0, lastAudibleMs: null, utterancesDone: 0, errors: [] },
+  responder: null, // from /web/config.json: {transcription: bool} when the server answers the user
+  conversation: null, // the talk mode's call: {pc, channel}
+  turns: { transcripts: [], replies: [], responses: [] }, // the talk mode's user transcripts, replies, statuses
 };
 window.omnigate = talk;
 
@@ -259,11 +265,130 @@ async function connect() {
   log(`connected over ${connection.kind}`);
 }
 
+// ---- talk mode: a realtime conversation with the server's responder -----------------------------------------
+
+function say(role, text) {
+  const item = document.createElement("li");
+  item.dataset.role = role;
+  item.textContent = text;
+  $("conversation").append(item);
+}
+
+function onRealtimeEvent(event) {
+  const turns = talk.turns;
+  if (event.type === "session.created") {
+    const session = { type: "realtime", instructions: $("instructions").value };
+    if ($("voice").value) session.audio = { output: { voice: $("voice").value } };
+    talk.conversation?.send({ type: "session.update", session });
+  } else if (event.type === "conversation.item.input_audio_transcription.completed") {
+    turns.transcripts.push(event.transcript);
+    say("user", event.transcript);
+  } else if (event.type === "response.output_audio_transcript.done") {
+    turns.replies.push(event.transcript);
+    say("assistant", event.transcript);
+  } else if (event.type === "response.done") {
+    turns.responses.push(event.response.status);
+    if (event.response.status === "failed") log(`the reply failed: ${JSON.stringify(event.response.status_details)}`);
+  } else if (event.type === "error") {
+    talk.stats.errors.push(event.error.code);
+    log(`error ${event.error.code}: ${event.error.message}`);
+  }
+}
+
+async function startTalk() {
+  if (talk.conversation !== null) return;
+  if (!window.RTCPeerConnection || !navigator.mediaDevices) {
+    log("talk mode needs WebRTC and a microphone (https or localhost)");
+    return;
+  }
+  hangup();
+  audioContext();
+  setState("connecting", "");
+  const microphone = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true } });
+  const pc = new RTCPeerConnection({ iceServers: [] });
+  for (const track of microphone.getAudioTracks()) pc.addTrack(track, microphone);
+  const channel = pc.createDataChannel("oai-events");
+  const opened = new Promise((resolve, reject) => {
+    channel.onopen = resolve;
+    channel.onclose = () => reject(new Error("the data channel closed"));
+  });
+  channel.onmessage = (message) => onRealtimeEvent(JSON.parse(message.data));
+  pc.ontrack = (event) => {
+    const stream = event.streams[0] ?? new MediaStream([event.track]);
+    talk.remoteStream = stream;
+    $("player").srcObject = stream;
+    meter(audioContext().createMediaStreamSource(stream));
+  };
+  const conversation = {
+    pc,
+    send: (event) => channel.readyState === "open" && channel.send(JSON.stringify(event)),
+    close: () => {
+      pc.close();
+      for (const track of microphone.getTracks()) track.stop();
+    },
+  };
+  talk.conversation = conversation;
+  pc.onconnectionstatechange = () => {
+    setState(pc.connectionState, "talking over WebRTC");
+    if (pc.connectionState === "failed" || pc.connectionState === "closed") stopTalk(`connection ${pc.connectionState}`);
+  };
+  try {
+    await pc.setLocalDescription(await pc.createOffer());
+    await withTimeout(
+      new Promise((resolve) => {
+        if (pc.iceGatheringState === "complete") resolve();
+        pc.onicegatheringstatechange = () => pc.iceGatheringState === "complete" && resolve();
+      }),
+      ICE_GATHERING_TIMEOUT_MS,
+      "ICE gathering",
+    ).catch(() => log("ICE gathering is slow; offering the candidates found so far"));
+    const headers = { "content-type": "application/sdp" };
+    const secret = await clientSecret();
+    if (secret) headers.authorization = `Bearer ${secret}`;
+    const response = await fetch(CALLS_URL, { method: "POST", headers, body: pc.localDescription.sdp });
+    if (response.status !== 201) throw new Error(`the call was refused: HTTP ${response.status} ${await response.text()}`);
+    await pc.setRemoteDescription({ type: "answer", sdp: await response.text() });
+    await withTimeout(opened, CONNECT_TIMEOUT_MS, "connecting");
+  } catch (error) {
+    stopTalk(`could not start talking: ${error.message}`);
+    return;
+  }
+  channel.onclose = () => stopTalk("the data channel closed");
+  $("talk").disabled = true;
+  $("stop-talk").disabled = false;
+  setState("connected", "talking over WebRTC");
+  log("talking: speak now");
+}
+
+function stopTalk(reason = "stopped talking") {
+  const conversation = talk.conversation;
+  if (conversation === null) return;
+  talk.conversation = null;
+  talk.analyser = null;
+  conversation.close();
+  $("talk").disabled = false;
+  $("stop-talk").disabled = true;
+  setState("closed", "");
+  log(reason);
+}
+
+async function loadConfig() {
+  try {
+    talk.responder = (await (await fetch(CONFIG_URL)).json()).responder ?? null;
+  } catch (error) {
+    log(`could not read the page's config: ${error.message}`);
+  }
+  const answers = talk.responder !== null && talk.responder.transcription;
+  $("talk-mode").hidden = !answers;
+  $("speak-heading").hidden = !answers;
+}
+
 // ---- controls -----------------------------------------------------------------------------------------------
 
 async function speak() {
   const text = $("text").value;
   if (!text.trim()) return;
+  stopTalk();
   audioContext();
   if (talk.connection === null) await connect();
   const connection = talk.connection;
@@ -316,6 +441,9 @@ $("speak").onclick = () => speak().catch((error) => log(`could not speak: ${erro
 $("cancel").onclick = cancel;
 $("hangup").onclick = hangup;
 $("transport-choice").onchange = hangup;
-Object.assign(talk, { connect, speak, cancel, hangup });
+$("talk").onclick = () => startTalk().catch((error) => stopTalk(`could not start talking: ${error.message}`));
+$("stop-talk").onclick = () => stopTalk();
+Object.assign(talk, { connect, speak, cancel, hangup, startTalk, stopTalk });
 setState("idle", window.RTCPeerConnection ? "" : "(no WebRTC in this browser: WebSocket)");
 loadVoices();
+loadConfig();
