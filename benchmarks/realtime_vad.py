@@ -37,12 +37,13 @@ from omnigate.engines import vad
 from omnigate.engines.piper import PiperEngine
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.synthetic import SyntheticEngine
-from omnigate.gateway.realtime.connection import RealtimeConnection, RealtimeLimits
-from omnigate.gateway.realtime.outbox import Closing, OutgoingEvent
+from omnigate.gateway.realtime.connection import RealtimeConnection
 from omnigate.gateway.realtime.service import vad_threads
 from omnigate.gateway.realtime.tts_backend import TtsBackend
 from omnigate.loadtest.stats import distribution
 from omnigate.os_threads import named_executor
+from omnigate.sessions.realtime.outbox import Closing, OutgoingEvent
+from omnigate.sessions.realtime.session import RealtimeLimits
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import SessionLimits
 

@@ -23,6 +23,7 @@ from omnigate.gateway.errors import routing_error
 from omnigate.gateway.ops import info
 from omnigate.gateway.ops.loop_lag import watch_loop_lag
 from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.realtime.connection import ResponderReports
 from omnigate.gateway.realtime.service import start_realtime
 from omnigate.gateway.realtime.ws import duplex_endpoint, realtime_endpoint
 from omnigate.gateway.robot.stream import robot_policy_endpoint, start_robot_pool, stop_robot_pool
@@ -141,7 +142,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         try:
             app.state.video_engine = await start_video_engine(settings)
             app.state.omni_engine = await start_omni_engine(settings)
-            app.state.realtime = await start_realtime(settings, pool)
+            reports = ResponderReports(
+                metrics.observe_responder_turn, lambda code: metrics.responder_failures.labels(code).inc()
+            )
+            app.state.realtime = await start_realtime(settings, pool, reports)
             gateway.robot_pool = await start_robot_pool(settings, metrics)
             yield
         finally:

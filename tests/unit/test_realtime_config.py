@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from omnigate.engines.base import EngineCapabilities, EngineInfo, VoiceInfo
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
-from omnigate.gateway.realtime.client_events import ResponseParams, SessionPatch
-from omnigate.gateway.realtime.config import (
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.sessions.realtime.client_events import ResponseParams, SessionPatch
+from omnigate.sessions.realtime.config import (
     ConfigRefused,
     RealtimeConfig,
     apply_update,

@@ -13,9 +13,10 @@ import pytest
 
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.synthetic import SyntheticEngine
-from omnigate.gateway.realtime.connection import RealtimeConnection, RealtimeLimits
-from omnigate.gateway.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
+from omnigate.gateway.realtime.connection import RealtimeConnection
 from omnigate.gateway.realtime.tts_backend import TtsBackend
+from omnigate.sessions.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
+from omnigate.sessions.realtime.session import RealtimeLimits
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import SessionLimits
 from tests.audio_checks import synthetic_ms
@@ -276,11 +277,11 @@ async def test_input_beyond_the_cap_is_refused_not_buffered(pool: EnginePool, ex
     assert (await client.next())["error"]["code"] == "input_audio_buffer_commit_empty"
     client.send("input_audio_buffer.append", audio=half_second)
     client.send("input_audio_buffer.append", audio=half_second)
-    active_at = client.connection._last_activity
+    active_at = client.connection.core.last_activity
     client.send("input_audio_buffer.append", event_id="a3", audio=half_second)
     error = await client.next()
     assert error["error"]["code"] == "input_backpressure" and error["error"]["event_id"] == "a3"
-    assert client.connection._last_activity == active_at  # a refused append does not keep an idle session open
+    assert client.connection.core.last_activity == active_at  # a refused append does not keep an idle session open
     client.send("input_audio_buffer.commit")
     committed = await client.until("conversation.item.done")
     assert committed[0]["type"] == "input_audio_buffer.committed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnigate.sessions.realtime_conversation import Conversation, ConversationError, IdSource, Item, Part
+from omnigate.sessions.realtime.conversation import Conversation, ConversationError, IdSource, Item, Part
 
 
 def conversation(max_items: int = 16) -> Conversation:

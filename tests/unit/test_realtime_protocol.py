@@ -12,18 +12,17 @@ import pytest
 from openai._models import BaseModel as OpenAIModel
 from openai.types.realtime import RealtimeClientEvent, RealtimeServerEvent
 
-from omnigate.gateway.realtime import server_events as se
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities
-from omnigate.gateway.realtime.client_events import (
+from omnigate.gateway.realtime.protocol import decode_client_event, peek
+from omnigate.sessions.realtime import server_events as se
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities
+from omnigate.sessions.realtime.client_events import (
     CLIENT_EVENT_TYPES,
     ConversationItemCreate,
     ResponseCreate,
     ServerVad,
     SessionUpdate,
-    decode_client_event,
-    peek,
 )
-from omnigate.gateway.realtime.config import default_config, session_object
+from omnigate.sessions.realtime.config import default_config, session_object
 
 _UNION = typing.get_args(typing.get_args(RealtimeServerEvent)[0])
 SERVER_MODELS: dict[str, type[OpenAIModel]] = {
@@ -72,10 +71,20 @@ CAPS = RealtimeCapabilities(
 def _item() -> se.WireItem:
     return se.WireItem(
         id="item_1",
+        type="message",
+        object="realtime.item",
         role="assistant",
         status="in_progress",
         content=[se.WireContent(type="output_audio", transcript="")],
     )
+
+
+def _call_item(kind: str) -> se.WireItem:
+    if kind == "function_call":
+        fields = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    else:
+        fields = {"output": '{"sky": "clear"}'}
+    return se.WireItem(id="item_3", type=kind, object="realtime.item", status="completed", call_id="call_1", **fields)
 
 
 def _response(status: se.ResponseStatus) -> se.WireResponse:
@@ -137,6 +146,33 @@ def every_server_event() -> list[se.ServerEvent]:
         se.TextDelta(event_id="e", delta="hi", **ids),  # type: ignore[arg-type]
         se.TextDone(event_id="e", text="hi", **ids),  # type: ignore[arg-type]
         se.OutputAudioCleared(event_id="e", response_id="resp_1"),
+        se.OutputItemAdded(event_id="e", response_id="resp_1", output_index=1, item=_call_item("function_call")),
+        se.ItemDone(event_id="e", item=_call_item("function_call_output"), previous_item_id="item_2"),
+        se.FunctionCallArgumentsDelta(
+            event_id="e", response_id="resp_1", item_id="item_3", output_index=1, call_id="call_1", delta="{"
+        ),
+        se.FunctionCallArgumentsDone(
+            event_id="e",
+            response_id="resp_1",
+            item_id="item_3",
+            output_index=1,
+            call_id="call_1",
+            name="get_weather",
+            arguments='{"city": "Oslo"}',
+        ),
+        se.TranscriptionCompleted(
+            event_id="e",
+            item_id="item_2",
+            content_index=0,
+            transcript="hello",
+            usage=se.WireTranscriptionUsage(seconds=1.5),
+        ),
+        se.TranscriptionFailed(
+            event_id="e",
+            item_id="item_2",
+            content_index=0,
+            error=se.WireTranscriptionError(type="server_error", code="asr_timeout", message="m"),
+        ),
     ]
 
 

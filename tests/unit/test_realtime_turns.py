@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnigate.gateway.realtime.g711 import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
-from omnigate.sessions.realtime_model_turns import ModelTurns
-from omnigate.sessions.realtime_turns import SpeechStarted, SpeechStopped, TurnDetectionSettings, TurnDetector
+from omnigate.codecs.g711 import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
+from omnigate.sessions.realtime.model_turns import ModelTurns
+from omnigate.sessions.realtime.turns import SpeechStarted, SpeechStopped, TurnDetectionSettings, TurnDetector
 
 
 def run(detector: TurnDetector, probabilities: list[float]) -> list[tuple[int, object]]:

@@ -1,8 +1,9 @@
-"""What the realtime protocol core needs from the engine side of a session.
+"""The engine side of a realtime session: the core's :class:`EngineSide` port, plus binding and release.
 
 Two implementations: :mod:`tts_backend` (a text-to-speech engine speaks assistant text, turn by turn, through the
 speech session core) and :mod:`duplex_backend` (a natively duplex model listens and speaks in lockstep ticks).
-The core calls a backend on the event loop; a backend reports back through the :class:`ResponseSink` calls.
+The session core calls a backend on the event loop; a backend reports back through the :class:`ResponseSink` calls
+(the connection, which hands them to the core and lets a producer wait for outbox room).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import abc
 from typing import Protocol
 
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities
-from omnigate.gateway.realtime.config import RealtimeConfig, ResponseSettings
-from omnigate.sessions.realtime_conversation import Response, ResponseStatus
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities
+from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
+from omnigate.sessions.realtime.conversation import Response, ResponseStatus
 
 
 class SessionRefused(Exception):
@@ -60,6 +61,8 @@ class ResponseSink(Protocol):
 
 
 class Backend(abc.ABC):
+    """Implements :class:`omnigate.sessions.realtime.session.EngineSide`; the connection binds and releases it."""
+
     capabilities: RealtimeCapabilities
     sample_rate: int
 
@@ -72,8 +75,16 @@ class Backend(abc.ABC):
         """Apply a new session configuration (voice, speed). Raises ConfigRefused."""
 
     @abc.abstractmethod
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
-        """Speak ``text`` as ``response`` (text-to-speech engines only)."""
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        """Begin speaking ``response`` (text-to-speech engines only); its text follows in pieces."""
+
+    @abc.abstractmethod
+    def add_speech(self, response: Response, text: str) -> None:
+        """More text of ``response``, spoken as soon as a sentence or clause of it is complete."""
+
+    @abc.abstractmethod
+    def close_speech(self, response: Response) -> None:
+        """The text of ``response`` is complete: speak the rest, then finish it."""
 
     @abc.abstractmethod
     def cancel(self, response: Response) -> None:

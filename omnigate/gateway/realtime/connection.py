@@ -1,161 +1,74 @@
-"""The OpenAI Realtime protocol for one session, independent of the transport.
+"""One realtime session between a transport and the protocol core: reads, writes, runs timers and the VAD.
 
 A transport adapter (WebSocket, a WebRTC data channel) feeds :meth:`RealtimeConnection.receive_text` with each
 client JSON event and, for transports with a media track, :meth:`receive_audio` with microphone PCM; it awaits
 :meth:`next_output` for what to send: encoded server events, track audio (``audio_route="track"``: output audio
 as PCM for the media track instead of ``response.output_audio.delta`` events) and, last, :class:`Closing`.
 
-Rules kept here:
-- Every server event has an ``event_id``; an error caused by a client event names that event's ``event_id``.
-- A response emits ``response.created``, its output item and content part before any delta, and ends with exactly
-  one ``response.done`` (status and full usage); nothing of a response follows its ``response.done``.
-- Cancelling (``response.cancel``, ``output_audio_buffer.clear``, barge-in under ``interrupt_response``) stops the
-  engine, purges the response's queued audio and then ends it: queued audio of an old response is never sent.
-- ``conversation.item.truncate`` is checked against the audio actually handed to the transport.
-- Input audio beyond the per-session cap is refused, not buffered; the outbox is bounded in media time and events.
-  Under server VAD nothing is refused: the detector hears every append, and a turn that outgrows the cap is
-  committed there (an ``input_turn_limit`` error says so) while detection goes on. A refused append is no activity.
+The protocol's rules live in :class:`omnigate.sessions.realtime.session.RealtimeSession`; this class decodes the
+JSON, binds and releases the backend (which reports back here, as its :class:`ResponseSink`), wakes the writer when
+the core queues output, runs the core's idle and duration deadlines on the loop, scores speech on the shared VAD
+executor, and runs the transcription and LLM calls the core asks for as tasks it owns (one LLM request at a time;
+all of them cancelled when the session ends, which closes their HTTP streams).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor, Future
-from typing import Literal
+from typing import Any
 
-import msgspec
-
-from omnigate.engines.vad import WINDOW_MS, SpeechProbability
-from omnigate.gateway.errors import UNDECODABLE
-from omnigate.gateway.realtime.audio import (
-    ENGINE_RATE,
-    InputConverter,
-    InvalidAudio,
-    OutputConverter,
-    wire_bytes_per_ms,
-)
+from omnigate.engines.openai_compat.errors import ServiceError
+from omnigate.engines.vad import SpeechProbability
 from omnigate.gateway.realtime.backend import Backend
-from omnigate.gateway.realtime.client_events import (
-    CLIENT_EVENT_TYPES,
-    ClientEvent,
-    ConversationItemCreate,
-    ConversationItemDelete,
-    ConversationItemRetrieve,
-    ConversationItemTruncate,
-    InputAudioBufferAppend,
-    InputAudioBufferClear,
-    InputAudioBufferCommit,
-    ItemSpec,
-    OutputAudioBufferClear,
-    ResponseCancel,
-    ResponseCreate,
-    SessionUpdate,
-    decode_client_event,
-    peek,
+from omnigate.gateway.realtime.protocol import read_client_message
+from omnigate.gateway.realtime.responder_clients import ResponderClients
+from omnigate.sessions.realtime.answer import ResponderPolicy
+from omnigate.sessions.realtime.audio import ENGINE_RATE
+from omnigate.sessions.realtime.config import RealtimeConfig, VoiceResolver
+from omnigate.sessions.realtime.conversation import Conversation, IdSource, Response, ResponseStatus
+from omnigate.sessions.realtime.outbox import RealtimeOutbox, RealtimeOutput
+from omnigate.sessions.realtime.responder import TurnTimings
+from omnigate.sessions.realtime.session import (
+    AudioRoute,
+    CancelChat,
+    RealtimeLimits,
+    RealtimeSession,
+    ScoreSpeech,
+    ServiceFailed,
+    SessionRequest,
+    StartChat,
+    Transcribe,
+    TurnMeasured,
 )
-from omnigate.gateway.realtime.config import (
-    ConfigRefused,
-    RealtimeConfig,
-    ResponseSettings,
-    VoiceResolver,
-    apply_update,
-    default_config,
-    response_settings,
-    session_object,
-    unused_fields,
-)
-from omnigate.gateway.realtime.outbox import (
-    Closing,
-    OutboxOverflow,
-    OutgoingAudio,
-    OutgoingEvent,
-    RealtimeOutbox,
-    RealtimeOutput,
-)
-from omnigate.gateway.realtime.server_events import (
-    AudioDelta,
-    AudioDone,
-    ContentPartAdded,
-    ContentPartDone,
-    ErrorEvent,
-    InputCleared,
-    InputCommitted,
-    ItemAdded,
-    ItemDeleted,
-    ItemDone,
-    ItemRetrieved,
-    ItemTruncated,
-    OutputAudioCleared,
-    OutputItemAdded,
-    OutputItemDone,
-    ResponseCreated,
-    ResponseDone,
-    ServerEvent,
-    SessionCreated,
-    SessionUpdated,
-    SpeechStarted,
-    SpeechStopped,
-    TextDelta,
-    TextDone,
-    TranscriptDelta,
-    TranscriptDone,
-    WireError,
-    WirePart,
-    WireSession,
-    encode_event,
-)
-from omnigate.gateway.realtime.wire import wire_item, wire_response
-from omnigate.sessions.realtime_conversation import (
-    Conversation,
-    ConversationError,
-    IdSource,
-    Item,
-    ItemRole,
-    Part,
-    Response,
-    ResponseStatus,
-)
-from omnigate.sessions.realtime_turns import SpeechStarted as TurnStarted
-from omnigate.sessions.realtime_turns import TurnDetector
 
 log = logging.getLogger(__name__)
 
-AudioRoute = Literal["events", "track"]
 
-_ROLES: dict[str, ItemRole] = {"user": "user", "assistant": "assistant", "system": "system"}
+class ResponderReports:
+    """Where a session reports its answered turns and its services' failures (the process's metrics)."""
 
-CLOSE_CODES = {
-    "client_closed": 1000,
-    "idle_timeout": 4408,
-    "max_duration": 1008,
-    "backlog": 1008,
-    "shutting_down": 1012,
-}
+    def __init__(self, turn: Callable[[TurnTimings], None], failure: Callable[[str], None]) -> None:
+        self.turn = turn
+        self.failure = failure
 
 
-class RealtimeLimits(msgspec.Struct, frozen=True):
-    """Per-session bounds (settings; defaults from DESIGN §8)."""
-
-    outbox_media_ms: float = 2000.0
-    outbox_events: int = 512
-    input_max_bytes: int = 1024 * 1024  # user audio (24 kHz s16le) held and not yet consumed
-    append_max_bytes: int = 1024 * 1024  # decoded audio of one input_audio_buffer.append
-    max_event_bytes: int = 128 * 1024  # any other client event, except session.update
-    max_config_bytes: int = 4 * 1024 * 1024  # session.update
-    max_text_chars: int = 4096  # text one response speaks
-    idle_timeout_s: float = 30.0
-    max_session_s: float = 3600.0
-    max_items: int = 256
-    truncate_tolerance_ms: float = 50.0
+def policy_of(clients: ResponderClients) -> ResponderPolicy:
+    settings = clients.settings
+    return ResponderPolicy(
+        model=settings.llm_model,
+        max_tokens=settings.llm_max_tokens,
+        history_max_chars=settings.history_max_chars,
+        transcription=clients.transcription is not None,
+    )
 
 
 class RealtimeConnection:
-    """One realtime session: client events in, server events and audio out, over any transport."""
+    """One realtime session over any transport: the core, its backend, its timers and its writer's wake-ups."""
 
     def __init__(
         self,
@@ -168,69 +81,82 @@ class RealtimeConnection:
         vad_executor: Executor,
         audio_route: AudioRoute = "events",
         ids: IdSource | None = None,
+        responder: ResponderClients | None = None,
+        reports: ResponderReports | None = None,
     ) -> None:
         self.backend = backend
-        self.caps = backend.capabilities
         self.limits = limits
-        self.audio_route = audio_route
-        self._served_models = served_models
-        self._resolve_voice = resolve_voice
+        self._responder = responder
+        self._reports = reports
+        self._chats: dict[str, asyncio.Task[None]] = {}  # by response id: at most one runs, others are ending
+        self._transcriptions: set[asyncio.Task[None]] = set()
         self._vad_executor = vad_executor
-        self._ids = ids or IdSource()
-        self.session_id = self._ids("sess")
-        self.config: RealtimeConfig = default_config(self.caps, model)
-        self.conversation = Conversation(
-            self._ids, max_items=limits.max_items, truncate_tolerance_ms=limits.truncate_tolerance_ms
-        )
-        self.outbox = RealtimeOutbox(max_media_ms=limits.outbox_media_ms, max_events=limits.outbox_events)
-        self.closed = False
         self._loop = asyncio.get_running_loop()
-        self._input = InputConverter(self.config.input_format)
-        self._active: Response | None = None
-        self._last_response_id: str | None = None
-        self._converters: dict[str, OutputConverter] = {}
-        self._audio_items: dict[str, Item] = {}
-        self._previous: dict[str, str | None] = {}
-        self._audio_sent = False
-        self._logged_unused: set[str] = set()  # each unused field is logged once per session
-        self._pending_input_bytes = 0
-        self._user_item_id: str | None = None
-        self._detector: TurnDetector | None = None
+        self._ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self.core = RealtimeSession(
+            backend,
+            limits=limits,
+            model=model,
+            served_models=served_models,
+            resolve_voice=resolve_voice,
+            now=time.monotonic(),
+            audio_route=audio_route,
+            ids=ids,
+            on_request=self._on_request,
+            on_output=self._on_output,
+            responder=policy_of(responder) if responder is not None else None,
+        )
         self._vad: SpeechProbability | None = None
-        self._vad_queue = bytearray()
-        self._vad_busy = False
-        self._last_activity = time.monotonic()
-        self._activity_before_event = self._last_activity
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._duration_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._released = False
+
+    @property
+    def closed(self) -> bool:
+        return self.core.closed
+
+    @property
+    def session_id(self) -> str:
+        return self.core.session_id
+
+    @property
+    def config(self) -> RealtimeConfig:
+        return self.core.config
+
+    @property
+    def conversation(self) -> Conversation:
+        return self.core.conversation
+
+    @property
+    def outbox(self) -> RealtimeOutbox:
+        return self.core.outbox
+
+    @property
+    def idle(self) -> bool:
+        """No response in progress: closing the session now loses no work (a graceful drain asks)."""
+        return self.core.idle
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
     def open(self) -> None:
         """Bind the engine and announce the session. Raises SessionRefused when the engine cannot take it."""
-        self.backend.start(self, self.config)
-        self._configure_vad()
-        self._emit(SessionCreated(event_id=self._event_id(), session=self._session()))
-        self._idle_timer = self._loop.call_later(self.limits.idle_timeout_s, self._check_idle)
-        self._duration_timer = self._loop.call_later(self.limits.max_session_s, self._on_max_duration)
+        self.backend.start(self, self.core.config)
+        self.core.open()
+        self._arm_timer(self.core.next_deadline)
 
     async def next_output(self) -> RealtimeOutput:
         """The next thing to send; :class:`Closing` is the last."""
-        output = await self.outbox.get()
-        if isinstance(output, (OutgoingEvent, OutgoingAudio)) and output.audio_ms:
-            item = self._audio_items.get(output.item_id or "")
-            if item is not None:
-                item.sent_ms += output.audio_ms
-            self.backend.released_audio(output.audio_ms)
-        return output
+        while True:
+            output = self.core.take_output()
+            if output is not None:
+                return output
+            self._ready.clear()
+            await self._ready.wait()
 
     def disconnect(self) -> None:
         """The transport is gone: stop all work at once."""
-        if not self.closed:
-            self.closed = True
-            if self._active is not None:
-                self.backend.cancel(self._active)
+        self.core.disconnect()
         self.release()
 
     def release(self) -> None:
@@ -238,417 +164,48 @@ class RealtimeConnection:
         if self._released:
             return
         self._released = True
-        self.closed = True
         self.backend.release()
-        for timer in (self._idle_timer, self._duration_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        for task in (*self._chats.values(), *self._transcriptions):
+            task.cancel()
         # The session and its backend refer to each other: drop what holds native resources now rather than when
         # the cycle collector next runs a full pass (rarely, in a process holding a model).
         self._vad = None
-        self._detector = None
-        self._vad_queue.clear()
-        self._converters.clear()
-
-    @property
-    def idle(self) -> bool:
-        """No response in progress: closing the session now loses no work (a graceful drain asks)."""
-        return self._active is None
+        self.core.release()
 
     def end(self, code: str, message: str) -> bool:
-        """End the session from the server's side (a drain): a response in progress is cancelled, its
-        ``response.done`` goes out, then the typed error and the close. False when the session is already ending."""
-        if self.closed:
-            return False
-        self._cancel_active(None, purge_all=True)
-        self.fail(code, message)
-        return True
-
-    def fail(self, code: str, message: str) -> None:
-        """End the session with a fatal typed error, then close."""
-        if self.closed:
-            return
-        if self._active is not None:
-            self.backend.cancel(self._active)
-        self.closed = True
-        error = ErrorEvent(event_id=self._event_id(), error=WireError(type="server_error", code=code, message=message))
-        closing = Closing(code, code, CLOSE_CODES.get(code, 1011))
-        try:
-            self.outbox.push(OutgoingEvent(encode_event(error)), terminal=True)
-            self.outbox.push(closing, terminal=True)
-        except OutboxOverflow:
-            self.outbox.replace_all(closing)
+        """End the session from the server's side (a drain); False when it is already ending."""
+        return self.core.end(code, message)
 
     # ---- client input -------------------------------------------------------------------------------------------
 
     def receive_text(self, raw: str | bytes) -> None:
         """Handle one client JSON event; a bad event gets one typed error and the session goes on."""
-        if self.closed:
-            return
-        self._activity_before_event = self._last_activity
-        self._last_activity = time.monotonic()
-        size = len(raw)
-        if size > self.limits.max_event_bytes:
-            kind, event_id = peek(raw)
-            limit = {
-                "input_audio_buffer.append": self.limits.append_max_bytes * 2,  # base64 of the decoded cap
-                "session.update": self.limits.max_config_bytes,
-            }.get(kind or "", self.limits.max_event_bytes)
-            if size > limit:
-                self._error("message_too_large", f"{kind or 'event'} of {size} bytes exceeds {limit} bytes", event_id)
-                return
-        try:
-            event = decode_client_event(raw)
-        except msgspec.ValidationError as exc:
-            kind, event_id = peek(raw)
-            if kind is None:
-                self._error("invalid_event", "each message must be a JSON object with a string 'type'", event_id)
-            elif kind not in CLIENT_EVENT_TYPES:
-                self._error("unknown_event", f"unknown event type {kind!r}", event_id, param="type")
-            else:
-                self._error("invalid_event", f"invalid {kind}: {exc}", event_id)
-            return
-        except UNDECODABLE:
-            self._error("invalid_json", "the message is not valid JSON", None)
-            return
-        try:
-            self._dispatch(event)
-        except (ConfigRefused, ConversationError) as exc:
-            self._error(exc.code, exc.message, event.event_id, param=exc.param)
-        except InvalidAudio as exc:
-            self._error("invalid_audio", str(exc), event.event_id, param="audio")
+        if not self.core.closed:
+            self.core.receive(read_client_message(raw, self.limits), time.monotonic())
 
     def protocol_error(self, code: str, message: str) -> None:
         """A message the transport could not hand over as a client event (a binary WebSocket frame)."""
-        if not self.closed:
-            self._error(code, message, None)
+        self.core.protocol_error(code, message)
 
     def receive_audio(self, pcm: bytes) -> None:
         """Microphone audio from a media track: 24 kHz mono s16le."""
-        if not self.closed:
-            self._last_activity = time.monotonic()
-            self._ingest(pcm, None)
+        self.core.receive_audio(pcm, time.monotonic())
 
-    def _dispatch(self, event: ClientEvent) -> None:
-        if isinstance(event, InputAudioBufferAppend):
-            self._on_append(event)
-        elif isinstance(event, SessionUpdate):
-            self._on_session_update(event)
-        elif isinstance(event, ResponseCreate):
-            self._on_response_create(event)
-        elif isinstance(event, ResponseCancel):
-            self._on_response_cancel(event)
-        elif isinstance(event, ConversationItemCreate):
-            self._on_item_create(event)
-        elif isinstance(event, ConversationItemTruncate):
-            cut = self.conversation.truncate(event.item_id, event.content_index, event.audio_end_ms)
-            self._emit(
-                ItemTruncated(
-                    event_id=self._event_id(),
-                    item_id=event.item_id,
-                    content_index=event.content_index,
-                    audio_end_ms=cut,
-                )
-            )
-        elif isinstance(event, ConversationItemDelete):
-            self.conversation.delete(event.item_id)
-            self._emit(ItemDeleted(event_id=self._event_id(), item_id=event.item_id))
-        elif isinstance(event, ConversationItemRetrieve):
-            item = self.conversation.get(event.item_id)
-            self._emit(ItemRetrieved(event_id=self._event_id(), item=wire_item(item)))
-        elif isinstance(event, InputAudioBufferCommit):
-            self._on_commit(event)
-        elif isinstance(event, InputAudioBufferClear):
-            self.backend.clear_input()
-            self._pending_input_bytes = 0
-            self._emit(InputCleared(event_id=self._event_id()))
-        elif isinstance(event, OutputAudioBufferClear):
-            self._on_output_clear()
-
-    def _on_session_update(self, event: SessionUpdate) -> None:
-        config = apply_update(
-            self.config,
-            event.session,
-            self.caps,
-            served_models=self._served_models,
-            resolve_voice=self._resolve_voice,
-            voice_locked=self._audio_sent,
-        )
-        speech = (config.voice, config.speed, config.instructions if self.caps.instructions else "")
-        if speech != (self.config.voice, self.config.speed, self.config.instructions if self.caps.instructions else ""):
-            if self._active is not None:
-                raise ConfigRefused(
-                    "response_in_progress", "voice, speed and instructions change only between responses", "session"
-                )
-            self.backend.reconfigure(config)
-        if config.input_format != self.config.input_format:
-            self._input = InputConverter(config.input_format)
-        turn_changed = config.turn_detection != self.config.turn_detection
-        self.config = config
-        if turn_changed:
-            self._configure_vad()
-        unused = [name for name in unused_fields(config, self.caps) if name not in self._logged_unused]
-        if unused:
-            self._logged_unused.update(unused)
-            log.info("session fields the %s engine does not use (kept and echoed): %s", self.caps.engine, unused)
-        self._emit(SessionUpdated(event_id=self._event_id(), session=self._session()))
-
-    def _on_append(self, event: InputAudioBufferAppend) -> None:
-        try:
-            data = base64.b64decode(event.audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidAudio("audio must be base64") from None
-        if len(data) > self.limits.append_max_bytes:
-            raise ConfigRefused("message_too_large", f"an append carries at most {self.limits.append_max_bytes} bytes")
-        self._ingest(self._input.convert(data), event.event_id)
-
-    def _ingest(self, pcm: bytes, event_id: str | None) -> None:
-        if not pcm:
-            return
-        if self.caps.native_duplex:
-            accepted = self.backend.push_audio(pcm)
-        elif self._detector is not None:
-            # The detector commits a turn before it outgrows the cap; until its scores catch up the count saturates
-            # (a text-to-speech backend holds no user audio, only this count).
-            accepted = True
-            self._pending_input_bytes = min(self.limits.input_max_bytes, self._pending_input_bytes + len(pcm))
-        else:
-            accepted = self._pending_input_bytes + len(pcm) <= self.limits.input_max_bytes
-            if accepted:
-                self._pending_input_bytes += len(pcm)
-        if not accepted:
-            self._last_activity = self._activity_before_event  # a refused append does not keep the session alive
-            self._error(
-                "input_backpressure",
-                f"more than {self.limits.input_max_bytes} bytes of input audio are pending; the append was refused",
-                event_id,
-            )
-            return
-        if self._detector is not None:
-            self._vad_feed(pcm)
-
-    def _on_commit(self, event: InputAudioBufferCommit) -> None:
-        if not self.caps.client_commit:
-            raise ConfigRefused(
-                "unsupported", "the duplex model consumes audio as it arrives; there is no buffer to commit"
-            )
-        if self._pending_input_bytes == 0:
-            raise ConfigRefused("input_audio_buffer_commit_empty", "the input audio buffer is empty")
-        self._commit_turn(self._user_item_id or self._ids("item"))
-
-    def _commit_turn(self, item_id: str) -> None:
-        self._pending_input_bytes = 0
-        self._user_item_id = None
-        item = Item(id=item_id, role="user", status="completed", content=[Part(type="input_audio")])
-        previous = self.conversation.add(item)
-        self._emit(InputCommitted(event_id=self._event_id(), item_id=item_id, previous_item_id=previous))
-        self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-
-    def _on_item_create(self, event: ConversationItemCreate) -> None:
-        if not self.caps.speaks_text_items:
-            raise ConfigRefused(
-                "unsupported", "the duplex model takes audio only; it cannot read conversation items", "item"
-            )
-        spec = event.item
-        item = self._client_item(spec)
-        previous = self.conversation.add(item, event.previous_item_id)
-        self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-
-    def _client_item(self, spec: ItemSpec) -> Item:
-        if spec.type != "message":
-            raise ConfigRefused("unsupported", f"item type {spec.type!r} is not served (no tools)", "item.type")
-        allowed = {
-            "user": ("input_text", "input_audio"),
-            "system": ("input_text",),
-            "assistant": ("output_text", "text"),
-        }
-        if spec.role is None or spec.role not in allowed:
-            raise ConfigRefused("invalid_value", "item.role must be user, assistant or system", "item.role")
-        parts: list[Part] = []
-        for part in spec.content:
-            if part.type not in allowed[spec.role]:
-                raise ConfigRefused(
-                    "unsupported", f"a {spec.role} item takes {list(allowed[spec.role])} content", "item.content"
-                )
-            if part.type == "input_audio":
-                parts.append(Part(type="input_audio", transcript=part.transcript))
-            else:
-                kind = "output_text" if spec.role == "assistant" else "input_text"
-                parts.append(Part(type=kind, text=part.text or ""))
-        if sum(len(p.text or "") for p in parts) > self.limits.max_text_chars:
-            raise ConfigRefused("input_too_large", f"an item holds at most {self.limits.max_text_chars} characters")
-        if spec.id is not None and not 1 <= len(spec.id) <= 64:
-            raise ConfigRefused("invalid_value", "item.id must be 1..64 characters", "item.id")
-        return Item(id=spec.id or self._ids("item"), role=_ROLES[spec.role], status="completed", content=parts)
-
-    # ---- responses ----------------------------------------------------------------------------------------------
-
-    def _on_response_create(self, event: ResponseCreate) -> None:
-        if not self.caps.speaks_text_items:
-            raise ConfigRefused(
-                "unsupported", "the duplex model decides itself when to speak; response.create is not served"
-            )
-        if self._active is not None:
-            raise ConfigRefused(
-                "conversation_already_has_active_response", f"response {self._active.id} is still in progress"
-            )
-        settings = response_settings(self.config, event.response, self.caps, self._resolve_voice)
-        inline = event.response.input if event.response is not None else None
-        spoken: list[Item] = []
-        if inline is None:
-            spoken = self.conversation.unspoken_assistant_text()
-            text = " ".join(item.text().strip() for item in spoken)
-        else:
-            text = " ".join(self._inline_text(spec) for spec in inline)
-        text = text.strip()
-        if not text:
-            raise ConfigRefused(
-                "nothing_to_speak",
-                "the engine speaks assistant text: create an assistant message item (or pass one as response.input)",
-            )
-        if len(text) > self.limits.max_text_chars:
-            raise ConfigRefused("input_too_large", f"a response speaks at most {self.limits.max_text_chars} characters")
-        for item in spoken:
-            item.spoken = True
-        response = self._begin_response(settings)
-        response.input_text_tokens = len(text.split())
-        self.backend.speak(response, text, settings)
-
-    def _inline_text(self, spec: ItemSpec) -> str:
-        if spec.type == "item_reference":
-            return self.conversation.get(spec.id or "", "response.input").text().strip()
-        if spec.type != "message" or spec.role != "assistant":
-            raise ConfigRefused("unsupported", "response.input takes assistant messages to speak", "response.input")
-        return "".join(part.text or "" for part in spec.content if part.type in ("output_text", "text")).strip()
+    # ---- the backend's sink -------------------------------------------------------------------------------------
 
     def open_model_response(self) -> Response | None:
-        if self.closed or self._active is not None:
-            return None
-        config = self.config
-        settings = ResponseSettings(
-            output_modalities=config.output_modalities,
-            voice=config.voice,
-            output_format=config.output_format,
-            max_output_tokens=config.max_output_tokens,
-            in_conversation=True,
-            metadata=None,
-        )
-        return self._begin_response(settings)
-
-    def _begin_response(self, settings: ResponseSettings) -> Response:
-        response = Response(
-            id=self._ids("resp"),
-            in_conversation=settings.in_conversation,
-            metadata=settings.metadata,
-            output_modalities=settings.output_modalities,
-            voice=settings.voice,
-            output_format=settings.output_format,
-            max_output_tokens=settings.max_output_tokens,
-        )
-        self._active = response
-        self._last_response_id = response.id
-        self._emit(ResponseCreated(event_id=self._event_id(), response=wire_response(response)))
-        audio = "audio" in settings.output_modalities
-        part = Part(type="output_audio", transcript="") if audio else Part(type="output_text", text="")
-        item = Item(
-            id=self._ids("item"), role="assistant", status="in_progress", content=[part], response_id=response.id
-        )
-        response.item = item
-        self._emit(
-            OutputItemAdded(event_id=self._event_id(), response_id=response.id, output_index=0, item=wire_item(item))
-        )
-        if response.in_conversation:
-            previous = self.conversation.add(item)
-            self._previous[item.id] = previous
-            self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        self._emit(
-            ContentPartAdded(
-                event_id=self._event_id(),
-                response_id=response.id,
-                item_id=item.id,
-                output_index=0,
-                content_index=0,
-                part=WirePart(type="audio", transcript="") if audio else WirePart(type="text", text=""),
-            )
-        )
-        if audio:
-            rate_format = settings.output_format if self.audio_route == "events" else "audio/pcm"
-            self._converters[response.id] = OutputConverter(rate_format, self.backend.sample_rate)
-            self._audio_items[item.id] = item
-            while len(self._audio_items) > self.limits.max_items:
-                self._audio_items.pop(next(iter(self._audio_items)))
-        return response
+        return self.core.open_model_response()
 
     def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
-        converter = self._converters.get(response.id)
-        if response.done or self.closed or converter is None:
-            return False
-        item = response.item
-        assert item is not None
-        ms = len(pcm) / 2 * 1000.0 / sample_rate
-        item.audio_ms += ms
-        response.output_audio_ms += ms
-        self._queue_audio(response, item, converter.convert(pcm))
-        return True
-
-    def _queue_audio(self, response: Response, item: Item, data: bytes) -> None:
-        if not data:
-            return
-        self._audio_sent = True
-        if self.audio_route == "track":
-            ms = len(data) / 2 * 1000.0 / ENGINE_RATE
-            self._push(OutgoingAudio(data, ENGINE_RATE, response.id, item.id, ms))
-            return
-        ms = len(data) / wire_bytes_per_ms(response.output_format)
-        delta = AudioDelta(
-            event_id=self._event_id(),
-            response_id=response.id,
-            item_id=item.id,
-            output_index=0,
-            content_index=0,
-            delta=base64.b64encode(data).decode("ascii"),
-        )
-        self._push(OutgoingEvent(encode_event(delta), response.id, item.id, ms))
+        return self.core.response_audio(response, pcm, sample_rate, time.monotonic())
 
     def response_text(self, response: Response, text: str, tokens: int) -> None:
-        if response.done or self.closed:
-            return
-        response.output_text_tokens += tokens
-        item = response.item
-        if not text or item is None:
-            return
-        part = item.content[0]
-        if part.type == "output_audio":
-            item.marks.append((item.audio_ms, len(part.transcript or "")))
-            part.transcript = (part.transcript or "") + text
-            self._emit(
-                TranscriptDelta(
-                    event_id=self._event_id(),
-                    response_id=response.id,
-                    item_id=item.id,
-                    output_index=0,
-                    content_index=0,
-                    delta=text,
-                )
-            )
-        else:
-            part.text = (part.text or "") + text
-            self._emit(
-                TextDelta(
-                    event_id=self._event_id(),
-                    response_id=response.id,
-                    item_id=item.id,
-                    output_index=0,
-                    content_index=0,
-                    delta=text,
-                )
-            )
+        self.core.response_text(response, text, tokens)
 
     def response_input(self, response: Response, audio_ms: float) -> None:
-        if not response.done:
-            response.input_audio_ms += audio_ms
+        self.core.response_input(response, audio_ms)
 
     def finish_response(
         self,
@@ -657,129 +214,81 @@ class RealtimeConnection:
         reason: str | None = None,
         error: tuple[str, str] | None = None,
     ) -> None:
-        if response.done:
-            return
-        response.status = status
-        response.reason = reason
-        response.error = error
-        if self._active is response:
-            self._active = None
-        converter = self._converters.pop(response.id, None)
-        item = response.item
-        if item is None or self.closed:
-            return
-        item.status = "completed" if status == "completed" else "incomplete"
-        if converter is not None and status == "completed":
-            self._queue_audio(response, item, converter.finish())
-        for event in self._closing_events(response, item):
-            self._emit(event, terminal=True)
+        self.core.finish_response(response, status, reason, error)
 
-    def _closing_events(self, response: Response, item: Item) -> list[ServerEvent]:
-        """The events that end a response, in protocol order, ``response.done`` last."""
-        part = item.content[0]
-        rid, iid = response.id, item.id
-        events: list[ServerEvent] = []
-        if part.type == "output_audio":
-            transcript = part.transcript or ""
-            events.append(
-                AudioDone(event_id=self._event_id(), response_id=rid, item_id=iid, output_index=0, content_index=0)
-            )
-            events.append(
-                TranscriptDone(
-                    event_id=self._event_id(),
-                    response_id=rid,
-                    item_id=iid,
-                    output_index=0,
-                    content_index=0,
-                    transcript=transcript,
-                )
-            )
-            wire_part = WirePart(type="audio", transcript=transcript)
+    def report_error(self, code: str, message: str) -> None:
+        self.core.report_error(code, message)
+
+    def fail(self, code: str, message: str) -> None:
+        """End the session with a fatal typed error, then close."""
+        self.core.fail(code, message)
+
+    async def wait_for_room(self) -> None:
+        """Until the outbox can take more audio."""
+        await self._room.wait()
+
+    # ---- what the core asks for ---------------------------------------------------------------------------------
+
+    def _on_output(self) -> None:
+        if len(self.core.outbox):
+            self._ready.set()
+        if self.core.outbox.has_media_room:
+            self._room.set()
         else:
-            text = part.text or ""
-            events.append(
-                TextDone(
-                    event_id=self._event_id(), response_id=rid, item_id=iid, output_index=0, content_index=0, text=text
-                )
-            )
-            wire_part = WirePart(type="text", text=text)
-        events.append(
-            ContentPartDone(
-                event_id=self._event_id(),
-                response_id=rid,
-                item_id=iid,
-                output_index=0,
-                content_index=0,
-                part=wire_part,
-            )
-        )
-        events.append(OutputItemDone(event_id=self._event_id(), response_id=rid, output_index=0, item=wire_item(item)))
-        if response.in_conversation:
-            previous = self._previous.pop(iid, None)
-            events.append(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        events.append(ResponseDone(event_id=self._event_id(), response=wire_response(response)))
-        return events
+            self._room.clear()
 
-    def _on_response_cancel(self, event: ResponseCancel) -> None:
-        active = self._active
-        if active is None or (event.response_id is not None and event.response_id != active.id):
-            raise ConfigRefused("response_cancel_not_active", "there is no response in progress to cancel")
-        self._cancel_active("client_cancelled", purge_all=False)
-
-    def _on_output_clear(self) -> None:
-        response_id = self._active.id if self._active is not None else self._last_response_id
-        self._cancel_active("client_cancelled", purge_all=True)
-        if response_id is not None:
-            self._emit(OutputAudioCleared(event_id=self._event_id(), response_id=response_id))
-
-    def _cancel_active(self, reason: str | None, *, purge_all: bool) -> None:
-        """The epoch fence: stop the engine, drop queued audio, then end the response."""
-        active = self._active
-        if active is not None:
-            self.backend.cancel(active)
-        dropped = self.outbox.purge_audio(None if purge_all else (active.id if active else ""))
-        if dropped:
-            self.backend.released_audio(dropped)
-        if active is not None:
-            self.finish_response(active, "cancelled", reason)
-
-    # ---- server VAD -----------------------------------------------------------------------------------------------
-
-    def _configure_vad(self) -> None:
-        td = self.config.turn_detection
-        if td is None:
-            self._detector = None
-            self._vad_queue.clear()
-            return
-        if self._detector is None:
-            # A duplex engine consumes the audio as it comes; a turn-based session buffers up to the input cap.
-            max_turn_ms = None if self.caps.native_duplex else self.limits.input_max_bytes / 2 * 1000.0 / ENGINE_RATE
-            self._detector = TurnDetector(td.settings, WINDOW_MS, max_turn_ms)
+    def _on_request(self, request: SessionRequest) -> None:
+        if isinstance(request, ScoreSpeech):
             if self._vad is None:
                 self._vad = SpeechProbability(ENGINE_RATE)
-        else:
-            self._detector.settings = td.settings
+            future = self._vad_executor.submit(self._vad.process, request.pcm)
+            future.add_done_callback(self._vad_finished)
+        elif isinstance(request, StartChat):
+            running = [task for task in self._chats.values() if not task.done()]
+            self._start(self._chat(request, running), f"realtime-chat-{request.response_id}", request.response_id)
+        elif isinstance(request, CancelChat):
+            task = self._chats.get(request.response_id)
+            if task is not None:
+                task.cancel()
+        elif isinstance(request, Transcribe):
+            self._start(self._transcribe(request), f"realtime-asr-{request.item_id}", None)
+        elif isinstance(request, TurnMeasured):
+            if self._reports is not None:
+                self._reports.turn(request.timings)
+        elif isinstance(request, ServiceFailed) and self._reports is not None:
+            self._reports.failure(request.code)
 
-    def _vad_feed(self, pcm: bytes) -> None:
-        self._vad_queue.extend(pcm)
-        excess = len(self._vad_queue) - self.limits.input_max_bytes
-        if excess > 0 and self._detector is not None:
-            # Scoring fell a whole input cap behind: skip the oldest audio rather than hold it without bound.
-            excess += excess % 2
-            del self._vad_queue[:excess]
-            self._detector.skip(excess / 2 * 1000.0 / ENGINE_RATE)
-        if not self._vad_busy:
-            self._vad_submit()
-
-    def _vad_submit(self) -> None:
-        vad = self._vad
-        if vad is None or not self._vad_queue:
+    def _start(self, work: Coroutine[Any, Any, None], name: str, chat_of: str | None) -> None:
+        if self._released:
+            work.close()
             return
-        chunk = bytes(self._vad_queue)
-        self._vad_queue.clear()
-        self._vad_busy = True
-        future = self._vad_executor.submit(vad.process, chunk)
-        future.add_done_callback(self._vad_finished)
+        task = self._loop.create_task(work, name=name)
+        if chat_of is None:
+            self._transcriptions.add(task)
+            task.add_done_callback(self._transcriptions.discard)
+        else:
+            self._chats[chat_of] = task
+            task.add_done_callback(lambda _: self._chats.pop(chat_of, None))
+
+    async def _chat(self, request: StartChat, earlier: list[asyncio.Task[None]]) -> None:
+        assert self._responder is not None
+        if earlier:
+            await asyncio.wait(earlier)  # a cancelled request closes its stream before the next one opens
+        try:
+            async with self._responder.chat.stream(request.request) as deltas:
+                async for delta in deltas:
+                    self.core.chat_delta(request.response_id, delta, time.monotonic())
+        except ServiceError as exc:
+            self.core.chat_failed(request.response_id, exc.code, exc.message)
+
+    async def _transcribe(self, request: Transcribe) -> None:
+        assert self._responder is not None and self._responder.transcription is not None
+        try:
+            transcript = await self._responder.transcription.transcribe(request.pcm, ENGINE_RATE)
+        except ServiceError as exc:
+            self.core.transcription_failed(request.item_id, exc.code, exc.message)
+        else:
+            self.core.transcribed(request.item_id, transcript, time.monotonic())
 
     def _vad_finished(self, future: Future[list[float]]) -> None:
         # On the executor's thread: hand the result to the loop, unless the loop is already gone (shutdown).
@@ -787,97 +296,17 @@ class RealtimeConnection:
             self._loop.call_soon_threadsafe(self._vad_done, future)
 
     def _vad_done(self, future: Future[list[float]]) -> None:
-        self._vad_busy = False
-        if self.closed:
-            return
         try:
             probabilities = future.result()
         except Exception:
             log.exception("voice activity detection failed")
+            self.core.scoring_failed()
             return
-        for probability in probabilities:
-            detector = self._detector
-            if detector is None:
-                break
-            turn = detector.feed(probability)
-            if isinstance(turn, TurnStarted):
-                self._on_speech_started(turn.audio_start_ms)
-            elif turn is not None:
-                self._on_speech_stopped(turn.audio_end_ms, forced=turn.forced)
-        if self._detector is not None and not self._detector.speaking and not self.caps.native_duplex:
-            # Outside a turn the buffer holds only the prefix padding a turn would start with.
-            prefix = self._detector.settings.prefix_padding_ms * ENGINE_RATE * 2 // 1000
-            self._pending_input_bytes = min(self._pending_input_bytes, prefix)
-        if self._vad_queue:
-            self._vad_submit()
+        self.core.speech_scored(probabilities, time.monotonic())
 
-    def _on_speech_started(self, audio_start_ms: int) -> None:
-        self._user_item_id = self._ids("item")
-        self._emit(SpeechStarted(event_id=self._event_id(), audio_start_ms=audio_start_ms, item_id=self._user_item_id))
-        td = self.config.turn_detection
-        if td is not None and td.interrupt_response:
-            # Barge-in: the user talks over the assistant, so nothing queued for playback should play.
-            self._cancel_active("turn_detected", purge_all=True)
+    def _arm_timer(self, deadline: float | None) -> None:
+        if deadline is not None and not self._released:
+            self._timer = self._loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
 
-    def _on_speech_stopped(self, audio_end_ms: int, *, forced: bool = False) -> None:
-        if forced:
-            limit_s = self.limits.input_max_bytes / 2 / ENGINE_RATE
-            self._error(
-                "input_turn_limit",
-                f"the speech went on for {limit_s:.1f} s without a pause: the turn is committed there and the next"
-                " one starts",
-                None,
-                error_type="server_error",
-            )
-        item_id = self._user_item_id or self._ids("item")
-        self._emit(SpeechStopped(event_id=self._event_id(), audio_end_ms=audio_end_ms, item_id=item_id))
-        self._commit_turn(item_id)
-
-    # ---- output -------------------------------------------------------------------------------------------------
-
-    async def wait_for_room(self) -> None:
-        await self.outbox.wait_for_room()
-
-    def report_error(self, code: str, message: str) -> None:
-        self._error(code, message, None, error_type="server_error")
-
-    def _session(self) -> WireSession:
-        return session_object(self.config, self.session_id, self.caps)
-
-    def _event_id(self) -> str:
-        return self._ids("event")
-
-    def _error(
-        self,
-        code: str,
-        message: str,
-        event_id: str | None,
-        *,
-        param: str | None = None,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        error = WireError(type=error_type, code=code, message=message, param=param, event_id=event_id)
-        self._emit(ErrorEvent(event_id=self._event_id(), error=error))
-
-    def _emit(self, event: ServerEvent, *, terminal: bool = False) -> None:
-        self._push(OutgoingEvent(encode_event(event)), terminal=terminal)
-
-    def _push(self, output: RealtimeOutput, *, terminal: bool = False) -> None:
-        if self.closed and not isinstance(output, Closing):
-            return
-        try:
-            self.outbox.push(output, terminal=terminal)
-        except OutboxOverflow:
-            self.fail("backlog", "too many unsent events: the client is not reading")
-
-    def _check_idle(self) -> None:
-        if self.closed:
-            return
-        remaining = self._last_activity + self.limits.idle_timeout_s - time.monotonic()
-        if remaining > 0:
-            self._idle_timer = self._loop.call_later(remaining, self._check_idle)
-        else:
-            self.fail("idle_timeout", f"no client event within {self.limits.idle_timeout_s:g} s")
-
-    def _on_max_duration(self) -> None:
-        self.fail("max_duration", "the session reached its maximum duration")
+    def _on_timer(self) -> None:
+        self._arm_timer(self.core.expire(time.monotonic()))

@@ -13,10 +13,10 @@ from typing import Protocol
 from omnigate.engines.base import EngineInfo
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
 from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
-from omnigate.gateway.realtime.config import RealtimeConfig, ResponseSettings
-from omnigate.sessions.realtime_conversation import Response
-from omnigate.sessions.realtime_model_turns import ModelTurns
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
+from omnigate.sessions.realtime.conversation import Response
+from omnigate.sessions.realtime.model_turns import ModelTurns
 
 MAX_MUTE_MS = 1000.0  # after an interruption, how long a model that keeps talking stays unheard
 
@@ -75,7 +75,13 @@ class DuplexBackend(Backend):
     def reconfigure(self, config: RealtimeConfig) -> None:
         """The model's voice is its own and it has no speed control: the config rules refuse changes to them."""
 
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        raise RuntimeError("a duplex model does not speak given text")
+
+    def add_speech(self, response: Response, text: str) -> None:
+        raise RuntimeError("a duplex model does not speak given text")
+
+    def close_speech(self, response: Response) -> None:
         raise RuntimeError("a duplex model does not speak given text")
 
     def cancel(self, response: Response) -> None:

@@ -19,12 +19,13 @@ from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.engines.registry import load_engine
 from omnigate.engines.vad import VAD_CALL_THREADS
 from omnigate.gateway.realtime.backend import Backend, SessionRefused
-from omnigate.gateway.realtime.connection import RealtimeLimits
+from omnigate.gateway.realtime.connection import ResponderReports
 from omnigate.gateway.realtime.duplex_backend import DuplexBackend, DuplexEngineApi
 from omnigate.gateway.realtime.responder_clients import ResponderClients
 from omnigate.gateway.realtime.tts_backend import TtsBackend
 from omnigate.gateway.settings import Settings
 from omnigate.os_threads import named_executor
+from omnigate.sessions.realtime.session import RealtimeLimits
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import SessionLimits
 
@@ -64,7 +65,12 @@ class RealtimeService:
     """The realtime engines of a gateway process and the executor their sessions' VAD runs on."""
 
     def __init__(
-        self, settings: Settings, pool: EnginePoolAPI[Any], duplex: DuplexEngineApi | None, owns_duplex: bool
+        self,
+        settings: Settings,
+        pool: EnginePoolAPI[Any],
+        duplex: DuplexEngineApi | None,
+        owns_duplex: bool,
+        reports: ResponderReports | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -73,6 +79,7 @@ class RealtimeService:
         self._owns_duplex = owns_duplex
         # the LLM and transcription clients of sessions that answer the user (serve --llm-url), None without
         self.responder = ResponderClients.start(settings.responder) if settings.responder is not None else None
+        self.reports = reports  # where sessions report answered turns and service failures (the metrics)
         # Silero scores a 32 ms window in ~0.15 ms of CPU: off the event loop, on a shared pool sized from the cores.
         self.vad_executor = named_executor(vad_threads(), "omnigate-vad")
 
@@ -159,14 +166,16 @@ class RealtimeService:
         return frozenset({model, family})
 
 
-async def start_realtime(settings: Settings, pool: EnginePoolAPI[Any]) -> RealtimeService:
+async def start_realtime(
+    settings: Settings, pool: EnginePoolAPI[Any], reports: ResponderReports | None = None
+) -> RealtimeService:
     """Build the service for a started pool, loading ``settings.duplex_model`` beside a TTS main engine."""
     if pool.info.capabilities.duplex:
         if not isinstance(pool, EnginePool):
             raise ValueError("a duplex main engine runs in this process: it needs the local engine pool")
-        return RealtimeService(settings, pool, cast(DuplexEngineApi, pool.engine), owns_duplex=False)
+        return RealtimeService(settings, pool, cast(DuplexEngineApi, pool.engine), owns_duplex=False, reports=reports)
     if settings.duplex_model is None:
-        return RealtimeService(settings, pool, None, owns_duplex=False)
+        return RealtimeService(settings, pool, None, owns_duplex=False, reports=reports)
     engine = await asyncio.to_thread(load_engine, "duplex", settings.duplex_model, **settings.duplex_options)
     log.info("duplex engine %s ready for /v1/duplex: %d sessions", engine.info.model, engine.info.max_sessions)
-    return RealtimeService(settings, pool, cast(DuplexEngineApi, engine), owns_duplex=True)
+    return RealtimeService(settings, pool, cast(DuplexEngineApi, engine), owns_duplex=True, reports=reports)

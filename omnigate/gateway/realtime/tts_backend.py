@@ -1,9 +1,10 @@
 """Realtime sessions on a text-to-speech engine: each response speaks assistant text through the speech session core.
 
-A response's text becomes one utterance of a :class:`SessionDriver` (append, then flush); its sentences stream as
-they are synthesized, and ``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is
-aborted and its queued audio purged). A pump task moves the driver's events into the realtime outbox only while
-that outbox has room, so a client that stops reading stops the engine.
+A response's text becomes one utterance of a :class:`SessionDriver`: appends as the text arrives (whole, or streamed
+from an LLM), then a flush. Its sentences are synthesized as soon as the segmenter releases them and stream out;
+``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is aborted and its queued audio
+purged). A pump task moves the driver's events into the realtime outbox only while that outbox has room, so a
+client that stops reading stops the engine.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import msgspec
 
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
-from omnigate.gateway.realtime.capabilities import RealtimeCapabilities, capabilities_for
-from omnigate.gateway.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import (
     AppendText,
@@ -31,7 +30,9 @@ from omnigate.sessions.messages import (
     SessionConfig,
     UtteranceDone,
 )
-from omnigate.sessions.realtime_conversation import Response, ResponseStatus
+from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
+from omnigate.sessions.realtime.config import ConfigRefused, RealtimeConfig, ResponseSettings
+from omnigate.sessions.realtime.conversation import Response, ResponseStatus
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, SessionLimits, synthesis_params
 
@@ -81,8 +82,8 @@ class TtsBackend(Backend):
     def reconfigure(self, config: RealtimeConfig) -> None:
         self._configure(self._session_config(config, self._max_audio_ms))
 
-    def speak(self, response: Response, text: str, settings: ResponseSettings) -> None:
-        driver = self._require_driver()
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        self._require_driver()
         assert self._config is not None
         max_audio_ms = self._max_audio_ms
         if settings.max_output_tokens is not None:
@@ -92,8 +93,14 @@ class TtsBackend(Backend):
         self._current = (response, self._next_utterance)
         self._next_utterance += 1
         self._error = None
-        driver.submit(AppendText(text))
-        driver.submit(Flush())
+
+    def add_speech(self, response: Response, text: str) -> None:
+        if self._current is not None and self._current[0] is response:
+            self._require_driver().submit(AppendText(text))
+
+    def close_speech(self, response: Response) -> None:
+        if self._current is not None and self._current[0] is response:
+            self._require_driver().submit(Flush())
 
     def cancel(self, response: Response) -> None:
         if self._current is not None and self._current[0] is response and self._driver is not None:

@@ -14,13 +14,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.gateway.realtime.backend import SessionRefused
 from omnigate.gateway.realtime.connection import RealtimeConnection
-from omnigate.gateway.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
-from omnigate.gateway.realtime.server_events import ErrorEvent, WireError, encode_event
 from omnigate.gateway.realtime.service import RealtimeService
 from omnigate.gateway.security.client_session import minted_session, stored_session_event
 from omnigate.gateway.speech.voices import resolve_voice
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.task_pair import run_reader_writer
+from omnigate.sessions.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
+from omnigate.sessions.realtime.server_events import ErrorEvent, WireError, encode_event
 from omnigate.sessions.registry import SessionLimitReached
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
                 served_models=route.served_models,
                 resolve_voice=lambda name: session_voice(service, info.native_duplex, name),
                 vad_executor=service.vad_executor,
+                responder=service.responder,
+                reports=service.reports,
             )
             try:
                 connection.open()

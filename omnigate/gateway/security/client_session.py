@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 from starlette.types import Scope
 
-from omnigate.gateway.realtime.client_events import SessionPatch
 from omnigate.gateway.security.credentials import Principal
 from omnigate.gateway.speech.protocol import SessionConfigEvent
+from omnigate.sessions.realtime.client_events import SessionPatch
 
 SESSION_TYPES = ("realtime", "speech")
 

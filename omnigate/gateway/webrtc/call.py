@@ -28,8 +28,6 @@ from omnigate.codecs.rtc_audio import RTC_FRAME_MS, RTC_SAMPLE_RATE, RtcOpusStre
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.realtime.backend import SessionRefused
 from omnigate.gateway.realtime.connection import RealtimeConnection
-from omnigate.gateway.realtime.server_events import ErrorEvent as RealtimeError
-from omnigate.gateway.realtime.server_events import WireError, encode_event
 from omnigate.gateway.realtime.service import RealtimeService
 from omnigate.gateway.realtime.ws import session_voice
 from omnigate.gateway.security.client_session import stored_session_event
@@ -57,6 +55,8 @@ from omnigate.sessions.messages import (
     SessionClosed,
     UtteranceDone,
 )
+from omnigate.sessions.realtime.server_events import ErrorEvent as RealtimeError
+from omnigate.sessions.realtime.server_events import WireError, encode_event
 from omnigate.sessions.registry import SessionLease
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,8 @@ class WebRtcCall:
             resolve_voice=lambda name: session_voice(service, duplex, name),
             vad_executor=service.vad_executor,
             audio_route="track",
+            responder=service.responder,
+            reports=service.reports,
         )
         try:
             connection.open()

@@ -21,13 +21,14 @@ from aiortc import RTCDataChannel
 
 from omnigate.codecs.resample import StreamResampler
 from omnigate.codecs.rtc_audio import RTC_SAMPLE_RATE, RtcOpusStream
-from omnigate.gateway.realtime.audio import ENGINE_RATE
-from omnigate.gateway.realtime.connection import RealtimeConnection, RealtimeLimits
-from omnigate.gateway.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
-from omnigate.gateway.realtime.server_events import ServerEvent, encode_event
+from omnigate.gateway.realtime.connection import RealtimeConnection
 from omnigate.gateway.webrtc.channel import ChannelWriter
 from omnigate.gateway.webrtc.track import SpeechTrack
-from omnigate.sessions.realtime_conversation import IdSource
+from omnigate.sessions.realtime.audio import ENGINE_RATE
+from omnigate.sessions.realtime.conversation import IdSource
+from omnigate.sessions.realtime.outbox import Closing, OutgoingAudio, OutgoingEvent
+from omnigate.sessions.realtime.server_events import ServerEvent, encode_event
+from omnigate.sessions.realtime.session import RealtimeLimits
 
 log = logging.getLogger(__name__)
 

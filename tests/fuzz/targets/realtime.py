@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection
 
 from omnigate.gateway.errors import UNDECODABLE
-from omnigate.gateway.realtime.client_events import decode_client_event, peek
-from omnigate.gateway.realtime.connection import RealtimeLimits
+from omnigate.gateway.realtime.protocol import decode_client_event, peek, size_limit
 from omnigate.gateway.settings import Settings
+from omnigate.sessions.realtime.session import RealtimeLimits
 from tests.fuzz.harness import ERROR, VALID, Expectation, FuzzMessage, WsTarget
 from tests.fuzz.mutations import json_values, malformed_frames, mutate, strings
 
@@ -106,11 +106,7 @@ class RealtimeTarget(WsTarget):
         raw = message.data
         if len(raw) > limits.max_event_bytes:
             kind, _ = peek(raw)
-            limit = {
-                "input_audio_buffer.append": limits.append_max_bytes * 2,
-                "session.update": limits.max_config_bytes,
-            }.get(kind or "", limits.max_event_bytes)
-            if len(raw) > limit:
+            if len(raw) > size_limit(kind, limits):
                 return ERROR
         try:
             decode_client_event(raw)

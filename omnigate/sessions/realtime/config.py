@@ -16,15 +16,15 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from omnigate.gateway.realtime.capabilities import AUDIO_FORMATS, RealtimeCapabilities
-from omnigate.gateway.realtime.client_events import (
+from omnigate.sessions.realtime.capabilities import AUDIO_FORMATS, RealtimeCapabilities
+from omnigate.sessions.realtime.client_events import (
     AudioFormat,
     ResponseParams,
     SemanticVad,
     ServerVad,
     SessionPatch,
 )
-from omnigate.gateway.realtime.server_events import (
+from omnigate.sessions.realtime.server_events import (
     WireAudioFormat,
     WireAudioInput,
     WireAudioOutput,
@@ -32,7 +32,7 @@ from omnigate.gateway.realtime.server_events import (
     WireSessionAudio,
     WireTurnDetection,
 )
-from omnigate.sessions.realtime_turns import TurnDetectionSettings
+from omnigate.sessions.realtime.turns import TurnDetectionSettings
 
 PCM_RATE = 24000
 MAX_OUTPUT_TOKENS = 4096

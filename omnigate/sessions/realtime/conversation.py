@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+ItemType = Literal["message", "function_call", "function_call_output"]
 ItemRole = Literal["user", "assistant", "system"]
 ItemStatus = Literal["completed", "incomplete", "in_progress"]
 ResponseStatus = Literal["completed", "cancelled", "failed", "incomplete", "in_progress"]
@@ -52,11 +53,19 @@ class Part:
 
 @dataclass(eq=False)
 class Item:
+    """A conversation item: a ``message`` (``role``, ``content``), a ``function_call`` a response made (``call_id``,
+    ``name``, ``arguments``) or the client's ``function_call_output`` (``call_id``, ``output``)."""
+
     id: str
     role: ItemRole
     status: ItemStatus
     content: list[Part]
     response_id: str | None = None
+    type: ItemType = "message"
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+    output: str = ""
     spoken: bool = False  # an assistant text item a response has spoken
     audio_ms: float = 0.0  # audio of this item generated so far (its timeline)
     sent_ms: float = 0.0  # of which the client was handed this much
@@ -83,7 +92,8 @@ class Response:
     status: ResponseStatus = "in_progress"
     reason: str | None = None
     error: tuple[str, str] | None = None
-    item: Item | None = None
+    item: Item | None = None  # the message item it speaks or writes
+    outputs: list[Item] = field(default_factory=list)  # its output items in order: that message, then function calls
     input_text_tokens: int = 0
     input_audio_ms: float = 0.0
     output_text_tokens: int = 0
@@ -147,12 +157,16 @@ class Conversation:
 
     def unspoken_assistant_text(self) -> list[Item]:
         """Assistant items carrying text that no response has spoken yet, in order."""
-        return [i for i in self._items.values() if i.role == "assistant" and not i.spoken and i.text().strip()]
+        return [
+            i
+            for i in self._items.values()
+            if i.type == "message" and i.role == "assistant" and not i.spoken and i.text().strip()
+        ]
 
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> int:
         """Cut ``item_id``'s audio at ``audio_end_ms``; returns the cut actually applied (clamped to what was sent)."""
         item = self.get(item_id)
-        if item.role != "assistant" or item.response_id is None:
+        if item.type != "message" or item.role != "assistant" or item.response_id is None:
             raise ConversationError("invalid_item", f"item {item_id!r} holds no audio the server sent", "item_id")
         if content_index >= len(item.content) or item.content[content_index].type != "output_audio":
             raise ConversationError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from omnigate.engines.base import EngineInfo
-from omnigate.gateway.realtime.server_events import WireCapabilities
+from omnigate.sessions.realtime.server_events import WireCapabilities
 
 AUDIO_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 

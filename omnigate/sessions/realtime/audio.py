@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from omnigate.codecs.g711 import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 from omnigate.codecs.resample import StreamResampler
-from omnigate.gateway.realtime.g711 import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 
 ENGINE_RATE = 24000
 G711_RATE = 8000

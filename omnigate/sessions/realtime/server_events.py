@@ -23,13 +23,20 @@ class WireContent(msgspec.Struct, frozen=True, omit_defaults=True):
     transcript: str | None = None
 
 
-class WireItem(msgspec.Struct, frozen=True):
+class WireItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A conversation item: a message carries ``role`` and ``content``, a function call ``call_id``, ``name`` and
+    ``arguments``, a function call's output ``call_id`` and ``output``."""
+
     id: str
-    role: str
+    type: str
+    object: str
     status: ItemStatus
-    content: list[WireContent]
-    type: str = "message"
-    object: str = "realtime.item"
+    role: str | None = None
+    content: list[WireContent] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 class WireAudioFormat(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -331,6 +338,49 @@ class OutputAudioCleared(ServerEvent, frozen=True, tag="output_audio_buffer.clea
     response_id: str
 
 
+class FunctionCallArgumentsDelta(ServerEvent, frozen=True, tag="response.function_call_arguments.delta"):
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    delta: str
+
+
+class FunctionCallArgumentsDone(ServerEvent, frozen=True, tag="response.function_call_arguments.done"):
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
+class WireTranscriptionUsage(msgspec.Struct, frozen=True):
+    """A transcription's usage, as the seconds of audio transcribed."""
+
+    seconds: float
+    type: str = "duration"
+
+
+class TranscriptionCompleted(ServerEvent, frozen=True, tag="conversation.item.input_audio_transcription.completed"):
+    item_id: str
+    content_index: int
+    transcript: str
+    usage: WireTranscriptionUsage
+
+
+class WireTranscriptionError(msgspec.Struct, frozen=True):
+    type: str
+    code: str
+    message: str
+
+
+class TranscriptionFailed(ServerEvent, frozen=True, tag="conversation.item.input_audio_transcription.failed"):
+    item_id: str
+    content_index: int
+    error: WireTranscriptionError
+
+
 AnyServerEvent = (
     ErrorEvent
     | SessionCreated
@@ -357,6 +407,10 @@ AnyServerEvent = (
     | TextDelta
     | TextDone
     | OutputAudioCleared
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
+    | TranscriptionCompleted
+    | TranscriptionFailed
 )
 
 _ENCODER = msgspec.json.Encoder()

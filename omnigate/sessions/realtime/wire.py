@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
-from omnigate.gateway.realtime.config import wire_format
-from omnigate.gateway.realtime.server_events import (
+from omnigate.sessions.realtime.config import wire_format
+from omnigate.sessions.realtime.conversation import Item, Response
+from omnigate.sessions.realtime.server_events import (
     WireContent,
     WireInputDetails,
     WireItem,
@@ -22,7 +23,6 @@ from omnigate.gateway.realtime.server_events import (
     WireStatusError,
     WireUsage,
 )
-from omnigate.sessions.realtime_conversation import Item, Response
 
 CONVERSATION_ID = "conv_default"
 AUDIO_TOKEN_MS = 80.0
@@ -34,10 +34,31 @@ def audio_tokens(ms: float) -> int:
 
 
 def wire_item(item: Item) -> WireItem:
+    if item.type == "function_call":
+        return WireItem(
+            id=item.id,
+            type=item.type,
+            object="realtime.item",
+            status=item.status,
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+        )
+    if item.type == "function_call_output":
+        return WireItem(
+            id=item.id,
+            type=item.type,
+            object="realtime.item",
+            status=item.status,
+            call_id=item.call_id,
+            output=item.output,
+        )
     return WireItem(
         id=item.id,
-        role=item.role,
+        type="message",
+        object="realtime.item",
         status=item.status,
+        role=item.role,
         content=[WireContent(type=p.type, text=p.text, transcript=p.transcript) for p in item.content],
     )
 
@@ -66,7 +87,7 @@ def wire_response(response: Response) -> WireResponse:
         id=response.id,
         status=response.status,
         status_details=details,
-        output=[] if response.item is None else [wire_item(response.item)],
+        output=[wire_item(item) for item in response.outputs],
         conversation_id=CONVERSATION_ID if response.in_conversation else None,
         output_modalities=list(response.output_modalities),
         audio=WireResponseAudio(

@@ -3,12 +3,15 @@
 Audio is admitted only while there is media room (the producers wait for room, or hold engine credit, before they
 produce), so the media bound holds to within one chunk. Control events are small; a reserve keeps room for the
 events that end a response or the session even when a client has stopped reading.
+
+The queue is plain data: ``on_change`` (called after anything is queued, taken or dropped) is how a transport
+adapter learns that there is something to send or room again.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -47,16 +50,20 @@ class OutboxOverflow(Exception):
     """More events than the bound admits: the client is not reading."""
 
 
+def _nothing() -> None:
+    pass
+
+
 class RealtimeOutbox:
-    def __init__(self, *, max_media_ms: float, max_events: int, reserve: int = 16) -> None:
+    def __init__(
+        self, *, max_media_ms: float, max_events: int, reserve: int = 16, on_change: Callable[[], None] = _nothing
+    ) -> None:
         self.max_media_ms = max_media_ms
         self.max_events = max_events
         self.reserve = reserve
         self.media_ms = 0.0
+        self.on_change = on_change
         self._items: deque[RealtimeOutput] = deque()
-        self._ready = asyncio.Event()
-        self._room = asyncio.Event()
-        self._room.set()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -73,9 +80,7 @@ class RealtimeOutbox:
         self._items.append(output)
         if not isinstance(output, Closing) and output.audio_ms:
             self.media_ms += output.audio_ms
-            if not self.has_media_room:
-                self._room.clear()
-        self._ready.set()
+        self.on_change()
 
     def pop(self) -> RealtimeOutput | None:
         if not self._items:
@@ -83,6 +88,7 @@ class RealtimeOutbox:
         output = self._items.popleft()
         if not isinstance(output, Closing) and output.audio_ms:
             self._take_media(output.audio_ms)
+        self.on_change()
         return output
 
     def purge_audio(self, response_id: str | None = None) -> float:
@@ -100,6 +106,7 @@ class RealtimeOutbox:
                 kept.append(output)
         self._items = kept
         self._take_media(dropped)
+        self.on_change()
         return dropped
 
     def replace_all(self, output: RealtimeOutput) -> None:
@@ -107,20 +114,7 @@ class RealtimeOutbox:
         self._items.clear()
         self._take_media(self.media_ms)
         self._items.append(output)
-        self._ready.set()
-
-    async def get(self) -> RealtimeOutput:
-        while True:
-            output = self.pop()
-            if output is not None:
-                return output
-            self._ready.clear()
-            await self._ready.wait()
-
-    async def wait_for_room(self) -> None:
-        await self._room.wait()
+        self.on_change()
 
     def _take_media(self, ms: float) -> None:
         self.media_ms = max(0.0, self.media_ms - ms)
-        if self.has_media_room:
-            self._room.set()

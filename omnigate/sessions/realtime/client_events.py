@@ -1,4 +1,4 @@
-"""Client events of the OpenAI Realtime protocol (GA names), as the gateway parses them.
+"""Client events of the OpenAI Realtime protocol (GA names), as the session core takes them.
 
 Shapes follow the ``openai`` package's models (``openai/types/realtime/``). Fields agent frameworks send whether or
 not the engine acts on them (tools, temperature, transcription, noise reduction, ...) are declared, so a session keeps
@@ -13,8 +13,6 @@ from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
-
-from omnigate.gateway.errors import UNDECODABLE
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -93,6 +91,10 @@ class ItemSpec(msgspec.Struct, frozen=True):
     role: str | None = None
     content: list[ContentPart] = []
     status: str | None = None
+    call_id: str | None = None  # function_call and function_call_output items
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 class ResponseAudioOutput(msgspec.Struct, frozen=True):
@@ -196,29 +198,4 @@ CLIENT_EVENT_TYPES: tuple[str, ...] = (
     "output_audio_buffer.clear",
 )
 
-_DECODER = msgspec.json.Decoder(ClientEvent)
-
-
-class _Envelope(msgspec.Struct):
-    type: Any = None
-    event_id: Any = None
-
-
-def decode_client_event(raw: bytes | str) -> ClientEvent:
-    """Parse one client event; raises ``msgspec.DecodeError`` or ``msgspec.ValidationError``."""
-    event: ClientEvent = _DECODER.decode(raw)
-    return event
-
-
-def peek(raw: bytes | str) -> tuple[str | None, str | None]:
-    """The ``type`` and ``event_id`` of a message that failed to parse, to word and address its error."""
-    try:
-        envelope = msgspec.json.decode(raw, type=_Envelope)
-    except (*UNDECODABLE, msgspec.ValidationError):
-        return None, None
-    kind = envelope.type if isinstance(envelope.type, str) else None
-    event_id = envelope.event_id if isinstance(envelope.event_id, str) else None
-    return kind, event_id
-
-
-__all__ = ["UNSET", "ClientEvent", "UnsetType", "decode_client_event", "peek"]
+__all__ = ["UNSET", "ClientEvent", "UnsetType"]
