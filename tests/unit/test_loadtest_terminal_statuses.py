@@ -124,10 +124,12 @@ async def realtime_outcome(
     connection = FakeConnection()
     lock = asyncio.Lock()
     utterance = trace.begin_utterance(0.0, "Hi.")
+    utterance.text_sent(0.0, 3)
     turn = _Turn(utterance, speech_end_s=0.0, duplex=False)
     state.turn = turn
     events = [
         _Event(type="session.created", session={"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}}),
+        _Event(type="input_audio_buffer.speech_stopped"),
         _Event(type="response.created", response={"id": "r1"}),
         *(delta("r1", 40) for _ in range(5)),
         _Event(
@@ -171,7 +173,11 @@ async def test_realtime_talk_mode_collects_the_turn_timings_the_server_reports()
     metadata = {"omnigate_asr_ms": "150.2", "omnigate_overhead_ms": "12.0", "omnigate_note": "x", "other_ms": "1"}
     await realtime_outcome("completed", metadata=metadata, target=target)
     await realtime_outcome("failed", metadata=metadata, target=target)  # a failed response reports no turn
-    assert target.turn_timings == [{"asr": 150.2, "overhead": 12.0}]
+    [timings] = target.turn_timings
+    assert {k: v for k, v in timings.items() if not k.startswith("client_")} == {"asr": 150.2, "overhead": 12.0}
+    # speech sent at 0 s, speech_stopped at 0.11 s, the first reply audio at 0.13 s
+    assert timings["client_voice_to_voice"] == pytest.approx(130.0)
+    assert timings["client_turn_to_audio"] == pytest.approx(20.0)
 
 
 def test_realtime_output_format_when_unannounced() -> None:

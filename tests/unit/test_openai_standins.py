@@ -55,6 +55,11 @@ async def test_scripted_replies_come_in_order_then_the_default(standins: Standin
     assert json.loads(arguments) == {"reason": "done"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert third["choices"][0]["message"]["content"].startswith("You said: hi.")
+    assert len(standins.state.stats.llm_first_token_service_ms) == 1  # the streamed one
+    standins.state.config.default_reply = "Fixed."
+    async with httpx.AsyncClient() as client:
+        fixed = (await client.post(url, json=body)).json()
+    assert fixed["choices"][0]["message"]["content"] == "Fixed."
 
 
 def test_the_default_reply_calls_a_named_tool_and_reads_back_its_output() -> None:
@@ -100,6 +105,7 @@ async def test_the_config_route_changes_delays_and_scripts(standins: StandinServ
     assert [t["text"] for t in texts] == ["a", "b", StandinConfig().default_transcript]
     assert texts[0]["usage"] == {"type": "duration", "seconds": 0.1}
     assert standins.state.stats.asr_audio_s == [0.1, 0.1, 0.1]
+    assert len(standins.state.stats.asr_service_ms) == 3 and min(standins.state.stats.asr_service_ms) >= 5.0
 
 
 async def test_an_upload_that_is_not_a_wav_is_refused(standins: StandinServer) -> None:

@@ -115,6 +115,7 @@ class _Turn:
     response_id: str | None = None
     reply_ms: float = 0.0
     cancel_sent_s: float | None = None
+    speech_stopped_s: float | None = None  # when the server's VAD said the user's turn ended
     cancelled: bool = False
     done_s: float | None = None
     last_delta_s: float | None = None
@@ -148,7 +149,9 @@ class RealtimeTarget(Target):
         self.cancel_to_done_ms: list[float] = []
         """From response.cancel sent to that response's response.done received, ms."""
         self.turn_timings: list[dict[str, float]] = []
-        """Talk mode: each completed response's ``omnigate_*_ms`` metadata, without the prefix and suffix (ms)."""
+        """Talk mode, per completed response: its ``omnigate_<step>_ms`` metadata as ``{step: ms}``, and the client's
+        own ``client_voice_to_voice`` (end of speech sent to first reply audio) and ``client_turn_to_audio``
+        (``speech_stopped`` received to first reply audio)."""
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
         connection = await connect_traced(
@@ -212,6 +215,16 @@ class RealtimeTarget(Target):
             reader.cancel()
             await asyncio.gather(*(t for t in (reader, microphone) if t is not None), return_exceptions=True)
 
+    @staticmethod
+    def _turn_timings(turn: _Turn, metadata: object) -> dict[str, float]:
+        timings = reported_timings(metadata)
+        voice_to_voice = turn.utterance.ttfa_ms()
+        if voice_to_voice is not None:
+            timings["client_voice_to_voice"] = voice_to_voice
+        if turn.speech_stopped_s is not None and turn.utterance.arrivals:
+            timings["client_turn_to_audio"] = (turn.utterance.arrivals[0][0] - turn.speech_stopped_s) * 1000.0
+        return timings
+
     async def _wait(self, event: asyncio.Event, reader: asyncio.Task[None], timeout_s: float) -> bool:
         waiter = asyncio.ensure_future(event.wait())
         try:
@@ -261,6 +274,8 @@ class RealtimeTarget(Target):
             trace.record_negotiated("format", output_format(session))
             state.created.set()
         elif kind == "input_audio_buffer.speech_stopped":
+            if turn is not None and turn.speech_stopped_s is None and now_s >= turn.speech_end_s:
+                turn.speech_stopped_s = now_s
             state.speech_stopped.set()
         elif kind == "error":
             error = event.error or {}
@@ -299,7 +314,7 @@ class RealtimeTarget(Target):
             if status == "completed" or (turn.cancelled and turn.cancel_sent_s is not None):
                 turn.utterance.finish(now_s, "completed")
                 if self.options.talk and status == "completed":
-                    self.turn_timings.append(reported_timings(response.get("metadata")))
+                    self.turn_timings.append(self._turn_timings(turn, response.get("metadata")))
             else:
                 trace.error(f"response_{status}", str(response.get("status_details")))
                 turn.utterance.finish(now_s, "failed")
