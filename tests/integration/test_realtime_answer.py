@@ -277,3 +277,16 @@ async def test_text_turns_need_no_recognizer_and_keep_the_history(piper_engine: 
     assert request is not None
     assert [m["role"] for m in request["messages"]] == ["user", "assistant", "user"]
     assert request["messages"][1]["content"] == first[-1]["response"]["output"][0]["content"][0]["transcript"].strip()
+
+
+async def test_a_client_that_leaves_mid_reply_closes_the_llm_stream(piper_engine: PiperEngine) -> None:
+    async with StandinServer(StandinConfig(llm_mode="hang")) as standins:
+        # A patient client: only the session's end can close the request within the test's wait.
+        with answering_server(piper_engine, standins.base_url, None, llm_first_token_timeout_s=60.0) as server:
+            async with realtime(server) as connection:
+                await opened(connection)
+                await ask_in_text(connection, "Are you there?")
+                await until(connection, "response.created")
+                assert await standins.state.wait_for({"llm_requests": 1}, timeout_s=10)
+            # The session's tasks end with it: the request it held is closed, not left to time out.
+            assert await standins.state.wait_for({"llm_disconnects": 1}, timeout_s=10)

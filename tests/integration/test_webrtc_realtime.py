@@ -12,8 +12,9 @@ import pytest
 from aiortc.mediastreams import AudioStreamTrack
 
 from omnigate.gateway.security.credentials import api_key_hash
-from omnigate.gateway.settings import Settings
+from omnigate.gateway.settings import ResponderSettings, Settings
 from omnigate.gateway.webrtc.call import REALTIME_CHANNEL, SPEECH_CHANNEL
+from omnigate.loadtest.openai_standins import StandinServer
 from tests.audio_checks import synthetic_ms
 from tests.integration.test_webrtc import LOOPBACK, Listener, call, live_calls, on_server
 from tests.serving import RunningServer, serve
@@ -179,3 +180,29 @@ async def test_a_minted_speech_session_configures_the_calls_speech_channel() -> 
         assert not listener.of("error"), listener.of("error")
         assert listener.of("session.done")[0]["status"] == "completed"
         await assert_freed(server)
+
+
+async def test_with_an_llm_a_text_turn_is_answered_on_the_track() -> None:
+    async with StandinServer() as standins:
+        settings = Settings(
+            engine="synthetic",
+            webrtc_host_addresses=LOOPBACK,
+            responder=ResponderSettings(llm_url=standins.base_url),
+        )
+        with serve(settings) as server:
+            listener = Listener()
+            async with call(server, listener, channel_label=REALTIME_CHANNEL) as peer:
+                await listener.until(lambda: bool(listener.of("session.created")))
+                item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi there"}]}
+                peer.send_json({"type": "conversation.item.create", "item": item})
+                peer.send_json({"type": "response.create"})
+                await listener.until(lambda: bool(listener.of("output_audio_buffer.stopped")))
+            await assert_freed(server)
+    assert not listener.of("error"), listener.of("error")
+    [done] = listener.of("response.done")
+    assert done["response"]["status"] == "completed"
+    transcript = done["response"]["output"][0]["content"][0]["transcript"]
+    assert transcript.startswith("You said: Hi there")
+    assert listener.audible_frames * 20 >= synthetic_ms(transcript) / 2  # the reply is heard on the track
+    assert "omnigate_first_audio_ms" in done["response"]["metadata"]
+    assert standins.state.stats.llm_completed == 1

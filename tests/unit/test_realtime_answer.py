@@ -9,13 +9,7 @@ from omnigate.engines.openai_compat.messages import ChatFinish, TextDelta, ToolC
 from omnigate.engines.vad import WINDOW_MS
 from omnigate.sessions.realtime.answer import ResponderPolicy
 from omnigate.sessions.realtime.conversation import Response
-from omnigate.sessions.realtime.session import (
-    CancelChat,
-    ServiceFailed,
-    StartChat,
-    Transcribe,
-    TurnMeasured,
-)
+from omnigate.sessions.realtime.requests import CancelChat, ServiceFailed, StartChat, Transcribe, TurnMeasured
 from omnigate.sessions.realtime.turn_audio import TurnAudio
 from tests.unit.test_realtime_session import RATE, Harness, append, event, pcm_ms, types
 
@@ -73,15 +67,22 @@ def test_a_text_turn_is_answered_by_the_llm_and_spoken_as_it_streams() -> None:
     assert h.engine.calls[-2:] == [("text", " Enjoy"), ("close", response.id)]
     # The TTS speaks it and ends the response, as a backend does.
     h.session.response_text(response, "It is noon.", 3)
-    h.session.response_audio(response, pcm_ms(200), RATE, now=1.5)
+    h.session.response_audio(response, pcm_ms(200), RATE, now=1.5, engine_ms=100.0)
+    h.now = 1.6
+    assert h.drain()[-1]["type"] == "response.output_audio.delta"  # the transport takes the first audio
     h.session.finish_response(response, "completed")
     events = h.drain()
     done = events[-1]["response"]
     assert done["status"] == "completed"
     assert done["usage"]["input_token_details"]["text_tokens"] == 12
     assert done["usage"]["output_token_details"]["text_tokens"] == 5
-    assert done["metadata"]["omnigate_first_token_ms"] == "200.0"
-    assert done["metadata"]["omnigate_first_audio_ms"] == "500.0"
+    assert done["metadata"] == {
+        "omnigate_first_token_ms": "200.0",
+        "omnigate_llm_ms": "400.0",  # to the first segment's text, which the engine got at once
+        "omnigate_first_audio_ms": "600.0",
+        "omnigate_tts_ms": "100.0",  # the engine's own time
+        "omnigate_overhead_ms": "100.0",  # the first audio waiting for the writer
+    }
     assert isinstance(h.requests[-1], TurnMeasured)
     assert not any(isinstance(request, CancelChat) for request in h.requests)
 
@@ -119,13 +120,18 @@ def test_a_spoken_turn_is_transcribed_and_answered_once_the_transcript_is_in() -
     assert completed["transcript"] == "Tell me a joke."
     h.session.chat_delta(response.id, TextDelta("Knock knock."), 2.35)
     h.session.chat_delta(response.id, ChatFinish("stop"), 2.4)
-    h.session.response_audio(response, pcm_ms(100), RATE, now=2.6)
+    h.session.response_audio(response, pcm_ms(100), RATE, now=2.6, engine_ms=150.0)
+    h.now = 2.7
+    h.drain()
     h.session.finish_response(response, "completed")
     metadata = h.drain()[-1]["response"]["metadata"]
     assert metadata["omnigate_transcript_ms"] == "150.0"
     assert metadata["omnigate_asr_ms"] == "150.0"
     assert metadata["omnigate_first_token_ms"] == "350.0"
-    assert metadata["omnigate_first_audio_ms"] == "600.0"
+    assert metadata["omnigate_first_audio_ms"] == "700.0"
+    assert metadata["omnigate_tts_ms"] == "150.0"
+    assert metadata["omnigate_llm_ms"] == "300.0"
+    assert metadata["omnigate_overhead_ms"] == "100.0"
 
 
 def test_tool_calls_become_function_call_items_and_their_outputs_go_back_to_the_llm() -> None:
@@ -208,8 +214,10 @@ def test_a_failing_llm_fails_the_response_typed_and_the_next_turn_works() -> Non
     h.send(event("response.create"))
     response = active(h)
     h.session.chat_delta(response.id, TextDelta("Hi"), 0.1)
+    h.session.response_text(response, "Hi", 1)
     h.session.response_audio(response, pcm_ms(100), RATE, now=0.2)
     h.session.chat_failed(response.id, "llm_timeout", "no token within 10 s")
+    assert response.item is not None and response.item.transcript() == ""  # none of it was heard
     events = h.drain()
     assert "response.output_audio.delta" not in types(events)  # nothing of a failed response is left to send
     errors = [e for e in events if e["type"] == "error"]
@@ -290,3 +298,21 @@ def test_the_session_advertises_what_it_answers_with() -> None:
     assert created["capabilities"]["tools"] is True
     assert created["capabilities"]["input_transcription"] is True
     assert created["audio"]["input"]["turn_detection"]["create_response"] is True
+
+
+def test_a_text_only_response_streams_the_llm_text_without_speech() -> None:
+    h = Harness(ASKING)
+    h.send(user_text("Spell cat."))
+    h.send(event("response.create", response={"output_modalities": ["text"]}))
+    response = active(h)
+    h.drain()
+    h.session.chat_delta(response.id, TextDelta("C-A"), 0.1)
+    h.session.chat_delta(response.id, TextDelta("-T."), 0.2)
+    h.session.chat_delta(response.id, ChatFinish("stop", Usage(4, 3, 7)), 0.3)
+    events = h.drain()
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["C-A", "-T."]
+    done = events[-1]["response"]
+    assert done["status"] == "completed"
+    assert done["output"][0]["content"][0]["text"] == "C-A-T."
+    assert done["usage"]["output_token_details"]["text_tokens"] == 3
+    assert not any(call[0] == "open" for call in h.engine.calls)

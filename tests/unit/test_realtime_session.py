@@ -16,13 +16,8 @@ from omnigate.sessions.realtime.client_events import ClientEvent
 from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
 from omnigate.sessions.realtime.conversation import IdSource, Response
 from omnigate.sessions.realtime.outbox import Closing, OutgoingEvent
-from omnigate.sessions.realtime.session import (
-    RealtimeLimits,
-    RealtimeSession,
-    ScoreSpeech,
-    SessionRequest,
-    UnreadableEvent,
-)
+from omnigate.sessions.realtime.requests import ScoreSpeech, SessionRequest
+from omnigate.sessions.realtime.session import RealtimeLimits, RealtimeSession, UnreadableEvent
 from tests.unit.test_realtime_protocol import validate_server_event
 
 RATE = 24000
@@ -99,7 +94,7 @@ class Harness:
     def drain(self) -> list[dict[str, Any]]:
         """Everything queued, as the transport would take it; the events are validated against the SDK's models."""
         events = []
-        while (output := self.session.take_output()) is not None:
+        while (output := self.session.take_output(self.now)) is not None:
             if isinstance(output, Closing):
                 events.append({"type": "<closed>", "code": output.code, "close_code": output.close_code})
                 continue

@@ -32,8 +32,9 @@ class ResponseSink(Protocol):
     def open_model_response(self) -> Response | None:
         """A natively duplex model began to speak: open a response for it (None: no output wanted)."""
 
-    def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
-        """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only)."""
+    def response_audio(self, response: Response, pcm: bytes, sample_rate: int, engine_ms: float | None = None) -> bool:
+        """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only).
+        ``engine_ms``: on the first audio of an engine utterance, the engine's time from its text to this audio."""
 
     def response_text(self, response: Response, text: str, tokens: int) -> None:
         """Transcript (or text) of ``response``; ``tokens`` counts into its usage."""

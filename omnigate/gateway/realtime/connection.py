@@ -32,12 +32,8 @@ from omnigate.sessions.realtime.audio import ENGINE_RATE
 from omnigate.sessions.realtime.config import RealtimeConfig, VoiceResolver
 from omnigate.sessions.realtime.conversation import Conversation, IdSource, Response, ResponseStatus
 from omnigate.sessions.realtime.outbox import RealtimeOutbox, RealtimeOutput
-from omnigate.sessions.realtime.responder import TurnTimings
-from omnigate.sessions.realtime.session import (
-    AudioRoute,
+from omnigate.sessions.realtime.requests import (
     CancelChat,
-    RealtimeLimits,
-    RealtimeSession,
     ScoreSpeech,
     ServiceFailed,
     SessionRequest,
@@ -45,6 +41,8 @@ from omnigate.sessions.realtime.session import (
     Transcribe,
     TurnMeasured,
 )
+from omnigate.sessions.realtime.responder import TurnTimings
+from omnigate.sessions.realtime.session import AudioRoute, RealtimeLimits, RealtimeSession
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +146,7 @@ class RealtimeConnection:
     async def next_output(self) -> RealtimeOutput:
         """The next thing to send; :class:`Closing` is the last."""
         while True:
-            output = self.core.take_output()
+            output = self.core.take_output(time.monotonic())
             if output is not None:
                 return output
             self._ready.clear()
@@ -198,8 +196,8 @@ class RealtimeConnection:
     def open_model_response(self) -> Response | None:
         return self.core.open_model_response()
 
-    def response_audio(self, response: Response, pcm: bytes, sample_rate: int) -> bool:
-        return self.core.response_audio(response, pcm, sample_rate, time.monotonic())
+    def response_audio(self, response: Response, pcm: bytes, sample_rate: int, engine_ms: float | None = None) -> bool:
+        return self.core.response_audio(response, pcm, sample_rate, time.monotonic(), engine_ms)
 
     def response_text(self, response: Response, text: str, tokens: int) -> None:
         self.core.response_text(response, text, tokens)
@@ -280,6 +278,10 @@ class RealtimeConnection:
                     self.core.chat_delta(request.response_id, delta, time.monotonic())
         except ServiceError as exc:
             self.core.chat_failed(request.response_id, exc.code, exc.message)
+        except Exception:
+            # Not the service's failure but ours: the response still ends, typed, and the session goes on.
+            log.exception("a realtime LLM request failed")
+            self.core.chat_failed(request.response_id, "server_error", "the LLM request failed in the server")
 
     async def _transcribe(self, request: Transcribe) -> None:
         assert self._responder is not None and self._responder.transcription is not None
@@ -287,6 +289,9 @@ class RealtimeConnection:
             transcript = await self._responder.transcription.transcribe(request.pcm, ENGINE_RATE)
         except ServiceError as exc:
             self.core.transcription_failed(request.item_id, exc.code, exc.message)
+        except Exception:
+            log.exception("a realtime transcription failed")
+            self.core.transcription_failed(request.item_id, "server_error", "the transcription failed in the server")
         else:
             self.core.transcribed(request.item_id, transcript, time.monotonic())
 

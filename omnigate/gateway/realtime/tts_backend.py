@@ -68,10 +68,11 @@ class TtsBackend(Backend):
         self._current: tuple[Response, int] | None = None
         self._next_utterance = 0
         self._error: tuple[str, str] | None = None
+        self._engine_ms: float | None = None  # the engine's time to the first audio of the utterance, when it comes
 
     def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
         self._sink = sink
-        self._driver = SessionDriver(self.pool, self._limits)
+        self._driver = SessionDriver(self.pool, self._limits, on_first_audio=self._first_audio)
         try:
             self._configure(self._session_config(config, self._max_audio_ms))
         except ConfigRefused as exc:
@@ -126,6 +127,10 @@ class TtsBackend(Backend):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
+    def _first_audio(self, engine_ms: float) -> None:
+        # The driver reports it as it hands over that audio: the pump's next event is the chunk it is about.
+        self._engine_ms = engine_ms
+
     def _require_driver(self) -> SessionDriver:
         if self._driver is None:
             raise RuntimeError("the backend was not started")
@@ -156,6 +161,7 @@ class TtsBackend(Backend):
         while True:
             await sink.wait_for_room()
             event = await driver.next_event()
+            engine_ms, self._engine_ms = self._engine_ms, None  # set by the driver for a first chunk only
             if isinstance(event, SessionClosed):
                 if event.reason != "released":
                     sink.fail(event.code or event.reason, f"the speech session ended: {event.reason}")
@@ -174,7 +180,7 @@ class TtsBackend(Backend):
                 continue  # an utterance of a response already ended (cancelled): nothing of it goes out
             response = current[0]
             if isinstance(event, MediaChunk):
-                sink.response_audio(response, event.pcm, event.sample_rate)
+                sink.response_audio(response, event.pcm, event.sample_rate, engine_ms)
             elif isinstance(event, SegmentStarted):
                 sink.response_text(response, event.text, len(event.text.split()))
             elif isinstance(event, UtteranceDone):

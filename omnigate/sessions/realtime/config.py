@@ -105,6 +105,19 @@ class ResponseSettings(msgspec.Struct, frozen=True):
     metadata: dict[str, str] | None
 
 
+def server_response_settings(config: RealtimeConfig) -> ResponseSettings:
+    """A response the server starts itself (a detected turn, a duplex model speaking) runs with the session's
+    settings."""
+    return ResponseSettings(
+        output_modalities=config.output_modalities,
+        voice=config.voice,
+        output_format=config.output_format,
+        max_output_tokens=config.max_output_tokens,
+        in_conversation=True,
+        metadata=None,
+    )
+
+
 def default_config(caps: RealtimeCapabilities, model: str) -> RealtimeConfig:
     return RealtimeConfig(
         model=model,

@@ -3,9 +3,11 @@
 One instance per session, driven on one thread: client events (already decoded by the transport adapter), microphone
 PCM, speech-probability scores, engine output and the passage of time go in; what goes out is queued in the
 session's :class:`RealtimeOutbox` (encoded server events, track audio, last a :class:`Closing`) and, for work that
-waits, handed to the adapter as a :data:`SessionRequest` (score this audio for speech). The engine side is a port
+waits, handed to the adapter as a :data:`SessionRequest` (score this audio for speech, transcribe this turn, ask the
+LLM, stop asking; :mod:`.requests`), whose answers come back as calls. The engine side is a port
 (:class:`EngineSide`) whose calls never block. No asyncio, no clock reads, no threads here: the adapter passes
-``now`` where time matters and asks :meth:`RealtimeSession.expire` when the next deadline comes.
+``now`` where time matters and asks :meth:`RealtimeSession.expire` when the next deadline comes. With a responder
+policy the session answers the user with an LLM (:mod:`.answer`); without one it speaks the text clients send.
 
 Rules kept here:
 - Every server event has an ``event_id``; an error caused by a client event names that event's ``event_id``.
@@ -19,24 +21,22 @@ Rules kept here:
   Under server VAD nothing is refused: the detector hears every append, and a turn that outgrows the cap is
   committed there (an ``input_turn_limit`` error says so) while detection goes on. A refused append is no activity.
 - One scoring request is outstanding at a time; audio that arrives meanwhile waits (bounded by the input cap) and
-  goes in the next request.
+  goes in the next request. One LLM request per session: a response's request stops when the response ends.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Literal, Protocol
 
 import msgspec
 
-from omnigate.engines.openai_compat.messages import ChatDelta, ChatFinish, ChatRequest, ToolCallDelta
-from omnigate.engines.openai_compat.messages import TextDelta as ChatText
+from omnigate.engines.openai_compat.messages import ChatDelta
 from omnigate.engines.vad import WINDOW_MS
-from omnigate.sessions.realtime.answer import Answer, ResponderPolicy, history
+from omnigate.sessions.realtime.answer import Answering, ResponderPolicy
 from omnigate.sessions.realtime.audio import (
     ENGINE_RATE,
     InputConverter,
@@ -58,7 +58,6 @@ from omnigate.sessions.realtime.client_events import (
     OutputAudioBufferClear,
     ResponseCancel,
     ResponseCreate,
-    ResponseParams,
     SessionUpdate,
 )
 from omnigate.sessions.realtime.config import (
@@ -69,6 +68,7 @@ from omnigate.sessions.realtime.config import (
     apply_update,
     default_config,
     response_settings,
+    server_response_settings,
     session_object,
     unused_fields,
 )
@@ -77,11 +77,11 @@ from omnigate.sessions.realtime.conversation import (
     ConversationError,
     IdSource,
     Item,
-    ItemRole,
     Part,
     Response,
     ResponseStatus,
 )
+from omnigate.sessions.realtime.items import client_item
 from omnigate.sessions.realtime.outbox import (
     Closing,
     OutboxOverflow,
@@ -90,22 +90,12 @@ from omnigate.sessions.realtime.outbox import (
     RealtimeOutbox,
     RealtimeOutput,
 )
-from omnigate.sessions.realtime.responder import (
-    ResponderInputError,
-    ToolCallAssembler,
-    ToolCallError,
-    TurnTiming,
-    TurnTimings,
-    chat_request,
-)
+from omnigate.sessions.realtime.requests import ScoreSpeech, SessionRequest
+from omnigate.sessions.realtime.response_events import closing_events
 from omnigate.sessions.realtime.server_events import (
     AudioDelta,
-    AudioDone,
     ContentPartAdded,
-    ContentPartDone,
     ErrorEvent,
-    FunctionCallArgumentsDelta,
-    FunctionCallArgumentsDone,
     InputCleared,
     InputCommitted,
     ItemAdded,
@@ -117,26 +107,19 @@ from omnigate.sessions.realtime.server_events import (
     OutputItemAdded,
     OutputItemDone,
     ResponseCreated,
-    ResponseDone,
     ServerEvent,
     SessionCreated,
     SessionUpdated,
     SpeechStarted,
     SpeechStopped,
     TextDelta,
-    TextDone,
     TranscriptDelta,
-    TranscriptDone,
-    TranscriptionCompleted,
-    TranscriptionFailed,
     WireError,
     WirePart,
     WireSession,
-    WireTranscriptionError,
-    WireTranscriptionUsage,
     encode_event,
 )
-from omnigate.sessions.realtime.turn_audio import BYTES_PER_MS, TurnAudio
+from omnigate.sessions.realtime.turn_audio import TurnAudio
 from omnigate.sessions.realtime.turns import SpeechStarted as TurnStarted
 from omnigate.sessions.realtime.turns import TurnDetector
 from omnigate.sessions.realtime.wire import wire_item, wire_response
@@ -145,7 +128,6 @@ log = logging.getLogger(__name__)
 
 AudioRoute = Literal["events", "track"]
 
-_ROLES: dict[str, ItemRole] = {"user": "user", "assistant": "assistant", "system": "system"}
 
 CLOSE_CODES = {
     "client_closed": 1000,
@@ -179,51 +161,6 @@ class UnreadableEvent(msgspec.Struct, frozen=True):
     message: str
     event_id: str | None = None
     param: str | None = None
-
-
-class ScoreSpeech(msgspec.Struct, frozen=True):
-    """Score ``pcm`` (24 kHz s16le) for speech, window by window; answer with :meth:`RealtimeSession.speech_scored`
-    (or :meth:`RealtimeSession.scoring_failed`)."""
-
-    pcm: bytes
-
-
-class Transcribe(msgspec.Struct, frozen=True):
-    """Transcribe the audio of user item ``item_id``; answer with :meth:`RealtimeSession.transcribed` (or
-    :meth:`RealtimeSession.transcription_failed`)."""
-
-    item_id: str
-    pcm: bytes  # 24 kHz mono s16le
-
-
-class StartChat(msgspec.Struct, frozen=True):
-    """Send ``request`` to the LLM, streamed, for response ``response_id``; hand each delta to
-    :meth:`RealtimeSession.chat_delta` (or a failure to :meth:`RealtimeSession.chat_failed`). A session has one
-    such request at a time: an earlier one of the session has ended, or been cancelled, before this one goes out."""
-
-    response_id: str
-    request: ChatRequest
-
-
-class CancelChat(msgspec.Struct, frozen=True):
-    """Stop the LLM request of ``response_id`` now (close its HTTP stream); nothing more of it is wanted."""
-
-    response_id: str
-
-
-class TurnMeasured(msgspec.Struct, frozen=True):
-    """An answered turn's latencies, for the metrics."""
-
-    timings: TurnTimings
-
-
-class ServiceFailed(msgspec.Struct, frozen=True):
-    """The LLM or the transcription service failed a turn with ``code``, for the metrics."""
-
-    code: str
-
-
-SessionRequest = ScoreSpeech | Transcribe | StartChat | CancelChat | TurnMeasured | ServiceFailed
 
 
 class EngineSide(Protocol):
@@ -288,8 +225,13 @@ class RealtimeSession:
         if caps.native_duplex:
             responder = None  # a duplex model answers by itself
         if responder is not None:
+            # The LLM writes the reply, so a response may also be text alone.
             caps = msgspec.structs.replace(
-                caps, create_response=True, tools=True, input_transcription=responder.transcription
+                caps,
+                create_response=True,
+                tools=True,
+                input_transcription=responder.transcription,
+                output_modalities=("audio", "text"),
             )
         self.caps = caps
         self.responder = responder
@@ -325,10 +267,7 @@ class RealtimeSession:
         self._vad_queue = bytearray()
         self._scoring = False
         self._turn_audio = TurnAudio(limits.input_max_bytes)
-        self._answer: Answer | None = None
-        self._transcribing: dict[str, tuple[Item, float]] = {}  # user items awaiting their transcript, audio seconds
-        self._turn_timings: dict[str, TurnTiming] = {}  # of the items being transcribed
-        self._next_timing: TurnTiming | None = None  # of the newest turn, for the response that answers it
+        self.answering = Answering(self, responder, on_request) if responder is not None else None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -364,15 +303,17 @@ class RealtimeSession:
             self.fail("idle_timeout", f"no client event within {self.limits.idle_timeout_s:g} s")
         return self.next_deadline
 
-    def take_output(self) -> RealtimeOutput | None:
+    def take_output(self, now: float | None = None) -> RealtimeOutput | None:
         """The next output for the transport, or None. Audio taken counts as sent (truncation is checked against
-        it) and its room goes back to the engine."""
+        it) and its room goes back to the engine; ``now`` times a reply's first audio out."""
         output = self.outbox.pop()
         if isinstance(output, (OutgoingEvent, OutgoingAudio)) and output.audio_ms:
             item = self._audio_items.get(output.item_id or "")
             if item is not None:
                 item.sent_ms += output.audio_ms
             self.engine.released_audio(output.audio_ms)
+            if now is not None and self.answering is not None and output.response_id is not None:
+                self.answering.audio_sent(output.response_id, now)
         return output
 
     def disconnect(self) -> None:
@@ -381,7 +322,8 @@ class RealtimeSession:
             self.closed = True
             if self._active is not None:
                 self.engine.cancel(self._active)
-            self._stop_chat()
+            if self.answering is not None:
+                self.answering.stop()
 
     def release(self) -> None:
         """Drop what the session holds (the adapter has freed the engine and ended its requests). Idempotent."""
@@ -390,9 +332,8 @@ class RealtimeSession:
         self._vad_queue.clear()
         self._converters.clear()
         self._turn_audio.restart()
-        self._answer = None
-        self._transcribing.clear()
-        self._turn_timings.clear()
+        if self.answering is not None:
+            self.answering.release()
 
     def end(self, code: str, message: str) -> bool:
         """End the session from the server's side (a drain): a response in progress is cancelled, its
@@ -409,7 +350,8 @@ class RealtimeSession:
             return
         if self._active is not None:
             self.engine.cancel(self._active)
-        self._stop_chat()
+        if self.answering is not None:
+            self.answering.stop()
         self.closed = True
         error = ErrorEvent(event_id=self._event_id(), error=WireError(type="server_error", code=code, message=message))
         closing = Closing(code, code, CLOSE_CODES.get(code, 1011))
@@ -480,8 +422,7 @@ class RealtimeSession:
         elif isinstance(event, InputAudioBufferClear):
             self.engine.clear_input()
             self._pending_input_bytes = 0
-            if self._detector is None:
-                self._turn_audio.take_all()
+            self._turn_audio.take_all()
             self._emit(InputCleared(event_id=self._event_id()))
         elif isinstance(event, OutputAudioBufferClear):
             self._on_output_clear()
@@ -567,82 +508,20 @@ class RealtimeSession:
         self._emit(InputCommitted(event_id=self._event_id(), item_id=item_id, previous_item_id=previous))
         self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
         self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        responder = self.responder
-        if responder is None or not responder.transcription or not pcm:
-            return  # without a transcript the LLM cannot hear an audio turn
-        self._transcribe(item, pcm, now)
-        td = self.config.turn_detection
-        if td is not None and td.create_response and self._active is None and item.id in self._transcribing:
-            self._answer_now(self._session_response_settings(), None, now)
+        if self.answering is not None:
+            self.answering.turn_committed(item, pcm, now)
 
     def _on_item_create(self, event: ConversationItemCreate) -> None:
         if not self.caps.speaks_text_items:
             raise ConfigRefused(
                 "unsupported", "the duplex model takes audio only; it cannot read conversation items", "item"
             )
-        item = self._client_item(event.item)
+        item = client_item(
+            event.item, self._ids, max_text_chars=self.limits.max_text_chars, calls=self.answering is not None
+        )
         previous = self.conversation.add(item, event.previous_item_id)
         self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
         self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-
-    def _client_item(self, spec: ItemSpec) -> Item:
-        if spec.type in ("function_call", "function_call_output") and self.responder is not None:
-            return self._client_call_item(spec)
-        if spec.type != "message":
-            raise ConfigRefused("unsupported", f"item type {spec.type!r} is not served (no tools)", "item.type")
-        allowed = {
-            "user": ("input_text", "input_audio"),
-            "system": ("input_text",),
-            "assistant": ("output_text", "text"),
-        }
-        if spec.role is None or spec.role not in allowed:
-            raise ConfigRefused("invalid_value", "item.role must be user, assistant or system", "item.role")
-        parts: list[Part] = []
-        for part in spec.content:
-            if part.type not in allowed[spec.role]:
-                raise ConfigRefused(
-                    "unsupported", f"a {spec.role} item takes {list(allowed[spec.role])} content", "item.content"
-                )
-            if part.type == "input_audio":
-                parts.append(Part(type="input_audio", transcript=part.transcript))
-            else:
-                kind = "output_text" if spec.role == "assistant" else "input_text"
-                parts.append(Part(type=kind, text=part.text or ""))
-        if sum(len(p.text or "") for p in parts) > self.limits.max_text_chars:
-            raise ConfigRefused("input_too_large", f"an item holds at most {self.limits.max_text_chars} characters")
-        if spec.id is not None and not 1 <= len(spec.id) <= 64:
-            raise ConfigRefused("invalid_value", "item.id must be 1..64 characters", "item.id")
-        return Item(id=spec.id or self._ids("item"), role=_ROLES[spec.role], status="completed", content=parts)
-
-    def _client_call_item(self, spec: ItemSpec) -> Item:
-        """A tool call's output the client adds (or a call it adds to the history itself)."""
-        if not spec.call_id:
-            raise ConfigRefused("invalid_value", f"a {spec.type} item names its call_id", "item.call_id")
-        if spec.id is not None and not 1 <= len(spec.id) <= 64:
-            raise ConfigRefused("invalid_value", "item.id must be 1..64 characters", "item.id")
-        item_id = spec.id or self._ids("item")
-        if spec.type == "function_call":
-            if not spec.name:
-                raise ConfigRefused("invalid_value", "a function_call item names its function", "item.name")
-            return Item(
-                id=item_id,
-                role="assistant",
-                status="completed",
-                content=[],
-                type="function_call",
-                call_id=spec.call_id,
-                name=spec.name,
-                arguments=spec.arguments or "{}",
-            )
-        return Item(
-            id=item_id,
-            role="user",
-            status="completed",
-            content=[],
-            type="function_call_output",
-            call_id=spec.call_id,
-            output=spec.output or "",
-        )
 
     # ---- responses ----------------------------------------------------------------------------------------------
 
@@ -657,8 +536,8 @@ class RealtimeSession:
             )
         settings = response_settings(self.config, event.response, self.caps, self._resolve_voice)
         inline = event.response.input if event.response is not None else None
-        if self.responder is not None and inline is None:
-            self._answer_now(settings, event.response, now)
+        if self.answering is not None and inline is None:
+            self.answering.answer_now(settings, event.response, now)
             return
         spoken: list[Item] = []
         if inline is None:
@@ -676,7 +555,7 @@ class RealtimeSession:
             raise ConfigRefused("input_too_large", f"a response speaks at most {self.limits.max_text_chars} characters")
         for item in spoken:
             item.spoken = True
-        response = self._begin_response(settings)
+        response = self.begin_response(settings)
         response.input_text_tokens = len(text.split())
         self.engine.open_speech(response, settings)
         self.engine.add_speech(response, text)
@@ -693,266 +572,86 @@ class RealtimeSession:
         """A natively duplex model began to speak: open a response for it (None: no output wanted)."""
         if self.closed or self._active is not None:
             return None
-        return self._begin_response(self._session_response_settings())
+        return self.begin_response(server_response_settings(self.config))
 
-    def _session_response_settings(self) -> ResponseSettings:
-        """A response the server starts itself runs with the session's settings."""
-        config = self.config
-        return ResponseSettings(
-            output_modalities=config.output_modalities,
-            voice=config.voice,
-            output_format=config.output_format,
-            max_output_tokens=config.max_output_tokens,
-            in_conversation=True,
-            metadata=None,
-        )
-
-    # ---- answering with the LLM ---------------------------------------------------------------------------------
-
-    def _transcribe(self, item: Item, pcm: bytes, now: float) -> None:
-        assert self.responder is not None
-        if len(self._transcribing) >= self.responder.max_pending_transcriptions:
-            message = f"more than {self.responder.max_pending_transcriptions} turns are waiting for transcription"
-            self._transcription_error(item.id, "asr_backlog", message)
-            return
-        timing = TurnTiming(now)
-        timing.mark("asr_sent", now)
-        self._transcribing[item.id] = (item, len(pcm) / BYTES_PER_MS / 1000.0)
-        self._turn_timings[item.id] = timing
-        self._next_timing = timing
-        self.on_request(Transcribe(item.id, pcm))
+    # ---- answering with the LLM: the adapter's answers to the requests, and what answering uses ---------------
 
     def transcribed(self, item_id: str, transcript: str, now: float) -> None:
         """The answer to :class:`Transcribe`: the turn's words."""
-        pending = self._transcribing.pop(item_id, None)
-        timing = self._turn_timings.pop(item_id, None)
-        if pending is None or self.closed:
-            return
-        item, seconds = pending
-        if timing is not None:
-            timing.mark("transcript_done", now)
-        item.content[0].transcript = transcript
-        self._emit(
-            TranscriptionCompleted(
-                event_id=self._event_id(),
-                item_id=item_id,
-                content_index=0,
-                transcript=transcript,
-                usage=WireTranscriptionUsage(seconds=round(seconds, 3)),
-            )
-        )
-        answer = self._answer
-        if answer is not None and answer.waiting and not self._transcribing:
-            answer.waiting = False
-            self._ask(answer, now)
+        if self.answering is not None and not self.closed:
+            self.answering.transcribed(item_id, transcript, now)
 
     def transcription_failed(self, item_id: str, code: str, message: str) -> None:
         """:class:`Transcribe` failed (the service is down, slow or answered garbage): the turn has no words."""
-        if self._transcribing.pop(item_id, None) is None or self.closed:
-            return
-        self._turn_timings.pop(item_id, None)
-        self._transcription_error(item_id, code, message)
-        answer = self._answer
-        if answer is not None and answer.waiting:
-            self._fail_answer(answer, code, message)
-
-    def _transcription_error(self, item_id: str, code: str, message: str) -> None:
-        self._emit(
-            TranscriptionFailed(
-                event_id=self._event_id(),
-                item_id=item_id,
-                content_index=0,
-                error=WireTranscriptionError(type="server_error", code=code, message=message),
-            )
-        )
-        self._error(code, message, None, error_type="server_error")
-        self.on_request(ServiceFailed(code))
-
-    def _answer_now(self, settings: ResponseSettings, params: ResponseParams | None, now: float) -> None:
-        """Start a response the LLM writes; it asks once the transcripts of the user's turns are in."""
-        config = self.config
-        timing = self._next_timing or TurnTiming(now)
-        self._next_timing = None
-        response = self._begin_response(settings)
-        answer = Answer(
-            response=response,
-            settings=settings,
-            timing=timing,
-            assembler=ToolCallAssembler(lambda: self._ids("call")),
-            instructions=params.instructions if params and params.instructions is not None else config.instructions,
-            tools=tuple(params.tools) if params and params.tools is not None else config.passthrough.tools,
-            tool_choice=(
-                params.tool_choice if params and params.tool_choice is not None else config.passthrough.tool_choice
-            ),
-            temperature=(
-                params.temperature if params and params.temperature is not None else config.passthrough.temperature
-            ),
-        )
-        self._answer = answer
-        if self._transcribing:
-            answer.waiting = True
-        else:
-            self._ask(answer, now)
-
-    def _ask(self, answer: Answer, now: float) -> None:
-        policy = self.responder
-        assert policy is not None
-        response = answer.response
-        try:
-            request = chat_request(
-                instructions=answer.instructions,
-                history=history(item for item in self.conversation if item.response_id != response.id),
-                max_chars=policy.history_max_chars,
-                max_tokens=policy.max_tokens,
-                model=policy.model,
-                tools=answer.tools,
-                tool_choice=answer.tool_choice,
-                max_output_tokens=response.max_output_tokens,
-                temperature=answer.temperature,
-            )
-        except ResponderInputError as exc:
-            self._fail_answer(answer, "invalid_tools", f"{exc} ({exc.param})")
-            return
-        # Until the LLM reports its usage, the request's words stand for its tokens.
-        response.input_text_tokens = sum(len((message.content or "").split()) for message in request.messages)
-        answer.timing.mark("llm_sent", now)
-        answer.chatting = True
-        self.on_request(StartChat(response.id, request))
+        if self.answering is not None and not self.closed:
+            self.answering.transcription_failed(item_id, code, message)
 
     def chat_delta(self, response_id: str, delta: ChatDelta, now: float) -> None:
         """One piece of the LLM's streamed reply to :class:`StartChat`."""
-        answer = self._answer
-        if answer is None or answer.response.id != response_id or not answer.chatting or self.closed:
-            return
-        response = answer.response
-        if isinstance(delta, ChatText):
-            answer.timing.mark("first_token", now)
-            if not delta.text:
-                return
-            if not answer.speaking:
-                answer.speaking = True
-                self.engine.open_speech(response, answer.settings)
-            answer.note_text(delta.text, now)
-            self.engine.add_speech(response, delta.text)
-        elif isinstance(delta, ToolCallDelta):
-            answer.timing.mark("first_token", now)
-            self._tool_call_delta(answer, delta)
-        elif isinstance(delta, ChatFinish):
-            self._chat_finished(answer, delta)
-
-    def _tool_call_delta(self, answer: Answer, delta: ToolCallDelta) -> None:
-        response = answer.response
-        try:
-            call_id = answer.assembler.add(delta)
-        except ToolCallError as exc:
-            self._fail_answer(answer, "llm_bad_response", str(exc))
-            return
-        item = answer.calls.get(call_id)
-        if item is None:
-            item = Item(
-                id=self._ids("item"),
-                role="assistant",
-                status="in_progress",
-                content=[],
-                response_id=response.id,
-                type="function_call",
-                call_id=call_id,
-                name=delta.name or "",
-            )
-            answer.calls[call_id] = item
-            response.outputs.append(item)
-            self._emit(
-                OutputItemAdded(
-                    event_id=self._event_id(),
-                    response_id=response.id,
-                    output_index=len(response.outputs) - 1,
-                    item=wire_item(item),
-                )
-            )
-            if response.in_conversation:
-                previous = self.conversation.add(item)
-                self._previous[item.id] = previous
-                self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        if delta.arguments:
-            item.arguments += delta.arguments
-            self._emit(
-                FunctionCallArgumentsDelta(
-                    event_id=self._event_id(),
-                    response_id=response.id,
-                    item_id=item.id,
-                    output_index=response.outputs.index(item),
-                    call_id=call_id,
-                    delta=delta.arguments,
-                )
-            )
-
-    def _chat_finished(self, answer: Answer, finish: ChatFinish) -> None:
-        response = answer.response
-        try:
-            calls = answer.assembler.complete()
-        except ToolCallError as exc:
-            self._fail_answer(answer, "llm_bad_response", str(exc))
-            return
-        answer.chatting = False
-        if finish.usage is not None:
-            response.input_text_tokens = finish.usage.prompt_tokens
-            answer.completion_tokens = finish.usage.completion_tokens
-        answer.cut_by_llm = finish.finish_reason == "length"
-        for call in calls:
-            item = answer.calls[call.id]
-            item.name = call.function.name
-            item.arguments = call.function.arguments
-            item.status = "completed"
-            index = response.outputs.index(item)
-            self._emit(
-                FunctionCallArgumentsDone(
-                    event_id=self._event_id(),
-                    response_id=response.id,
-                    item_id=item.id,
-                    output_index=index,
-                    call_id=call.id,
-                    name=item.name,
-                    arguments=item.arguments,
-                )
-            )
-            self._emit(
-                OutputItemDone(
-                    event_id=self._event_id(), response_id=response.id, output_index=index, item=wire_item(item)
-                )
-            )
-            if response.in_conversation:
-                previous = self._previous.pop(item.id, None)
-                self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        if answer.speaking:
-            self.engine.close_speech(response)  # the engine ends the response once the rest is spoken
-        else:
-            self.finish_response(response, "completed")
+        if self.answering is not None and not self.closed:
+            self.answering.chat_delta(response_id, delta, now)
 
     def chat_failed(self, response_id: str, code: str, message: str) -> None:
         """:class:`StartChat` failed (unreachable, timed out, an error or garbage): the response fails, typed."""
-        answer = self._answer
-        if answer is not None and answer.response.id == response_id and answer.chatting and not self.closed:
-            answer.chatting = False
-            self._fail_answer(answer, code, message)
+        if self.answering is not None and not self.closed:
+            self.answering.chat_failed(response_id, code, message)
 
-    def _fail_answer(self, answer: Answer, code: str, message: str) -> None:
-        """A typed error, then the response ends failed with nothing of it left queued."""
-        response = answer.response
+    def new_id(self, prefix: str) -> str:
+        return self._ids(prefix)
+
+    def emit(self, event: ServerEvent) -> None:
+        self._emit(event)
+
+    def server_error(self, code: str, message: str) -> None:
         self._error(code, message, None, error_type="server_error")
-        self.on_request(ServiceFailed(code))
+
+    def open_speech(self, response: Response, settings: ResponseSettings) -> None:
+        self.engine.open_speech(response, settings)
+
+    def add_speech(self, response: Response, text: str) -> None:
+        self.engine.add_speech(response, text)
+
+    def close_speech(self, response: Response) -> None:
+        self.engine.close_speech(response)
+
+    def fail_response(self, response: Response, code: str, message: str) -> None:
+        """Stop the engine, drop what is queued of ``response``, then end it failed."""
         self.engine.cancel(response)
         dropped = self.outbox.purge_audio(response.id)
         if dropped:
             self.engine.released_audio(dropped)
         self.finish_response(response, "failed", error=(code, message))
 
-    def _stop_chat(self) -> None:
-        answer = self._answer
-        if answer is not None and answer.chatting:
-            answer.chatting = False
-            self.on_request(CancelChat(answer.response.id))
+    def add_output_item(self, response: Response, item: Item) -> int:
+        """Add ``item`` to ``response``'s output and, for a response in the conversation, to the conversation."""
+        response.outputs.append(item)
+        index = len(response.outputs) - 1
+        self._emit(
+            OutputItemAdded(
+                event_id=self._event_id(), response_id=response.id, output_index=index, item=wire_item(item)
+            )
+        )
+        if response.in_conversation:
+            previous = self.conversation.add(item)
+            self._previous[item.id] = previous
+            self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
+        return index
 
-    def _begin_response(self, settings: ResponseSettings) -> Response:
+    def output_item_done(self, response: Response, item: Item) -> None:
+        self._emit(
+            OutputItemDone(
+                event_id=self._event_id(),
+                response_id=response.id,
+                output_index=response.outputs.index(item),
+                item=wire_item(item),
+            )
+        )
+        if response.in_conversation:
+            previous = self._previous.pop(item.id, None)
+            self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
+
+    def begin_response(self, settings: ResponseSettings) -> Response:
+        """Start a response: ``response.created``, its message item and content part."""
         response = Response(
             id=self._ids("resp"),
             in_conversation=settings.in_conversation,
@@ -971,14 +670,7 @@ class RealtimeSession:
             id=self._ids("item"), role="assistant", status="in_progress", content=[part], response_id=response.id
         )
         response.item = item
-        response.outputs.append(item)
-        self._emit(
-            OutputItemAdded(event_id=self._event_id(), response_id=response.id, output_index=0, item=wire_item(item))
-        )
-        if response.in_conversation:
-            previous = self.conversation.add(item)
-            self._previous[item.id] = previous
-            self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
+        self.add_output_item(response, item)
         self._emit(
             ContentPartAdded(
                 event_id=self._event_id(),
@@ -997,9 +689,17 @@ class RealtimeSession:
                 self._audio_items.pop(next(iter(self._audio_items)))
         return response
 
-    def response_audio(self, response: Response, pcm: bytes, sample_rate: int, now: float | None = None) -> bool:
+    def response_audio(
+        self,
+        response: Response,
+        pcm: bytes,
+        sample_rate: int,
+        now: float | None = None,
+        engine_ms: float | None = None,
+    ) -> bool:
         """Audio of ``response``; False when nothing was queued (the response ended, or it sends text only).
-        ``now`` times a reply's first audio."""
+        ``now`` times a reply's first audio; ``engine_ms``, on the first audio of the engine's utterance, is the
+        engine's own time from the utterance's text to it."""
         converter = self._converters.get(response.id)
         if response.done or self.closed or converter is None:
             return False
@@ -1008,10 +708,8 @@ class RealtimeSession:
         ms = len(pcm) / 2 * 1000.0 / sample_rate
         item.audio_ms += ms
         response.output_audio_ms += ms
-        answer = self._answer
-        if now is not None and answer is not None and answer.response is response:
-            answer.timing.mark("tts_first_audio", now)
-            answer.timing.mark("first_audio_out", now)  # queued for the transport, which takes it in order
+        if now is not None and self.answering is not None:
+            self.answering.audio_made(response, now, engine_ms)
         self._queue_audio(response, item, converter.convert(pcm))
         return True
 
@@ -1084,10 +782,8 @@ class RealtimeSession:
         """End ``response``; ignored when it already ended."""
         if response.done:
             return
-        answer = self._answer
-        if answer is not None and answer.response is response:
-            self._answer = None
-            status, reason = self._end_answer(answer, status, reason)
+        if self.answering is not None:
+            status, reason = self.answering.ending(response, status, reason)
         response.status = status
         response.reason = reason
         response.error = error
@@ -1100,82 +796,8 @@ class RealtimeSession:
         item.status = "completed" if status == "completed" else "incomplete"
         if converter is not None and status == "completed":
             self._queue_audio(response, item, converter.finish())
-        for event in self._closing_events(response, item):
+        for event in closing_events(response, item, self._event_id, self._previous):
             self._emit(event, terminal=True)
-
-    def _end_answer(
-        self, answer: Answer, status: ResponseStatus, reason: str | None
-    ) -> tuple[ResponseStatus, str | None]:
-        """What ending a response the LLM wrote adds: its request stops, its usage and timings are final."""
-        response = answer.response
-        if answer.chatting:
-            answer.chatting = False
-            self.on_request(CancelChat(response.id))
-        if status == "completed" and answer.cut_by_llm:
-            status, reason = "incomplete", "max_output_tokens"
-        if answer.completion_tokens is not None:
-            response.output_text_tokens = answer.completion_tokens
-        timings = answer.timing.timings()
-        response.metadata = {**(response.metadata or {}), **timings.metadata()}
-        if status == "completed":
-            self.on_request(TurnMeasured(timings))
-        return status, reason
-
-    def _closing_events(self, response: Response, item: Item) -> list[ServerEvent]:
-        """The events that end a response, in protocol order, ``response.done`` last."""
-        part = item.content[0]
-        rid, iid = response.id, item.id
-        events: list[ServerEvent] = []
-        for index, call in enumerate(response.outputs):
-            if call.type == "function_call" and call.status == "in_progress":
-                # A call cut off with its response ends incomplete; the client does not run it.
-                call.status = "incomplete"
-                events.append(
-                    OutputItemDone(event_id=self._event_id(), response_id=rid, output_index=index, item=wire_item(call))
-                )
-                if response.in_conversation:
-                    previous = self._previous.pop(call.id, None)
-                    events.append(ItemDone(event_id=self._event_id(), item=wire_item(call), previous_item_id=previous))
-        if part.type == "output_audio":
-            transcript = part.transcript or ""
-            events.append(
-                AudioDone(event_id=self._event_id(), response_id=rid, item_id=iid, output_index=0, content_index=0)
-            )
-            events.append(
-                TranscriptDone(
-                    event_id=self._event_id(),
-                    response_id=rid,
-                    item_id=iid,
-                    output_index=0,
-                    content_index=0,
-                    transcript=transcript,
-                )
-            )
-            wire_part = WirePart(type="audio", transcript=transcript)
-        else:
-            text = part.text or ""
-            events.append(
-                TextDone(
-                    event_id=self._event_id(), response_id=rid, item_id=iid, output_index=0, content_index=0, text=text
-                )
-            )
-            wire_part = WirePart(type="text", text=text)
-        events.append(
-            ContentPartDone(
-                event_id=self._event_id(),
-                response_id=rid,
-                item_id=iid,
-                output_index=0,
-                content_index=0,
-                part=wire_part,
-            )
-        )
-        events.append(OutputItemDone(event_id=self._event_id(), response_id=rid, output_index=0, item=wire_item(item)))
-        if response.in_conversation:
-            previous = self._previous.pop(iid, None)
-            events.append(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
-        events.append(ResponseDone(event_id=self._event_id(), response=wire_response(response)))
-        return events
 
     def _on_response_cancel(self, event: ResponseCancel) -> None:
         active = self._active
@@ -1194,16 +816,12 @@ class RealtimeSession:
         active = self._active
         if active is not None:
             self.engine.cancel(active)
-            self._stop_chat()
+            if self.answering is not None:
+                self.answering.cancelling(active)
         dropped = self.outbox.purge_audio(None if purge_all else (active.id if active else ""))
         if dropped:
             self.engine.released_audio(dropped)
         if active is not None:
-            answered = self._answer is not None and self._answer.response is active
-            if answered and active.item is not None and active.in_conversation:
-                # What the LLM is told it said next time is what the user was sent of it.
-                with contextlib.suppress(ConversationError):
-                    self.conversation.truncate(active.item.id, 0, int(active.item.sent_ms))
             self.finish_response(active, "cancelled", reason)
 
     # ---- server VAD -----------------------------------------------------------------------------------------------
