@@ -1,6 +1,8 @@
 // Holds a conversation on the talk page's talk mode with Debian's Chromium (headless): the fake microphone plays
 // MICROPHONE_WAV, the server's responder answers, and what the page plays is recorded through WebAudio.
-// Usage: node talk_mode_page.mjs URL OUT_DIR MICROPHONE_WAV  (writes OUT_DIR/talk.json)
+// Usage: node talk_mode_page.mjs URL OUT_DIR MICROPHONE_WAV
+// Writes OUT_DIR/talk-<mode>.json for each mode: "webrtc" (the page's default) and "no-webrtc" (RTCPeerConnection
+// removed before the page loads: the page must talk over WS /v1/realtime).
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { launchChromium } from "./chromium.mjs";
@@ -14,11 +16,16 @@ const browser = await launchChromium([
   "--use-fake-device-for-media-stream",
   `--use-file-for-fake-audio-capture=${microphone}`,
 ]);
-try {
+async function run(mode) {
   const page = await browser.newPage();
   const console = [];
   page.on("console", (message) => console.push(`${message.type()}: ${message.text()}`));
   page.on("pageerror", (error) => console.push(`pageerror: ${error.message}`));
+  if (mode === "no-webrtc") {
+    await page.addInitScript(() => {
+      delete window.RTCPeerConnection;
+    });
+  }
   await page.goto(url);
   await page.waitForSelector("#talk-mode:not([hidden])", { timeout: TIMEOUT_MS });
   await page.evaluate(() => window.omnigate.startTalk());
@@ -57,10 +64,16 @@ try {
     let binary = "";
     for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
     const shown = [...document.querySelectorAll("#conversation li")].map((li) => [li.dataset.role, li.textContent]);
-    return { sampleRate: talk.audioContext.sampleRate, pcm: btoa(binary), turns: talk.turns, stats: talk.stats, shown };
+    const transport = document.getElementById("transport").textContent;
+    return { sampleRate: talk.audioContext.sampleRate, pcm: btoa(binary), turns: talk.turns, stats: talk.stats, shown, transport };
   });
   await page.evaluate(() => window.omnigate.stopTalk());
-  writeFileSync(join(outDir, "talk.json"), JSON.stringify({ ...result, console }));
+  await page.close();
+  writeFileSync(join(outDir, `talk-${mode}.json`), JSON.stringify({ mode, ...result, console }));
+}
+
+try {
+  for (const mode of ["webrtc", "no-webrtc"]) await run(mode);
 } finally {
   await browser.close();
 }
