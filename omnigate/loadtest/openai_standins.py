@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import re
 import socket
+import sys
 import time
 import wave
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -67,6 +70,7 @@ class StandinConfig(msgspec.Struct, kw_only=True):
     replies: list[ScriptedReply] = []  # consumed in order, then the default reply
     transcripts: list[str] = []  # consumed in order, then default_transcript
     default_transcript: str = "Hello, can you hear me?"
+    default_reply: str | None = None  # the reply once the script is spent (None: the generated default reply)
     llm_mode: Mode = "ok"
     asr_mode: Mode = "ok"
     drop_after_tokens: int = 3  # ``drop``: tokens sent before the connection closes
@@ -80,6 +84,10 @@ class StandinStats(msgspec.Struct, kw_only=True):
     asr_completed: int = 0
     asr_disconnects: int = 0
     asr_audio_s: list[float] = []  # the duration of every WAV received
+    # the stand-ins' own time per request, ms: transcription (request read to response sent) and chat (request
+    # read to the first token or tool call sent)
+    asr_service_ms: list[float] = []
+    llm_first_token_service_ms: list[float] = []
     last_chat_request: dict[str, Any] | None = None
     last_authorization: str | None = None  # the Authorization header of the last request
 
@@ -134,6 +142,8 @@ class StandinState:
     def next_reply(self, body: dict[str, Any]) -> ScriptedReply:
         if self.config.replies:
             return self.config.replies.pop(0)
+        if self.config.default_reply is not None:
+            return ScriptedReply(text=self.config.default_reply)
         return default_reply(body.get("messages") or [], body.get("tools") or [])
 
     def next_transcript(self) -> str:
@@ -263,6 +273,8 @@ class ChatCompletions(_Service):
             if (wait := due - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
             await self._event(send, self._chunk(model, started, delta, None))
+            if index == 0:
+                self.state.stats.llm_first_token_service_ms.append(round((time.monotonic() - started) * 1000.0, 2))
         finish = "tool_calls" if reply.tool_call is not None else "stop"
         await self._event(send, self._chunk(model, started, {}, finish))
         if usage_asked:
@@ -362,6 +374,7 @@ class Transcriptions(_Service):
     prefix = "asr"
 
     async def answer(self, scope: Scope, raw: bytes, send: Send) -> bool:
+        started = time.monotonic()
         config = self.state.config
         headers = {key.decode().lower(): value.decode() for key, value in scope["headers"]}
         try:
@@ -384,6 +397,7 @@ class Transcriptions(_Service):
             return False
         await _start(send, 200, b"application/json", len(body))
         await send({"type": "http.response.body", "body": body})
+        self.state.stats.asr_service_ms.append(round((time.monotonic() - started) * 1000.0, 2))
         return True
 
 
@@ -467,6 +481,26 @@ class StandinServer:
             await self._task
 
 
+@contextlib.asynccontextmanager
+async def standins_process(options: Sequence[str], log: Path) -> AsyncIterator[str]:
+    """``omnigate-loadtest standins --port 0 *options`` in a child process (its timing then owes nothing to the
+    caller's loop) until the block ends; yields its base URL (``http://127.0.0.1:PORT/v1``)."""
+    command = [sys.executable, "-m", "omnigate.loadtest.cli", "standins", "--port", "0", *options]
+    with log.open("wb") as errors:
+        process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE, stderr=errors)
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(60.0):
+            line = (await process.stdout.readline()).decode()
+        if not line.startswith("stand-ins on "):
+            raise RuntimeError(f"the stand-ins did not start (exit {await process.wait()}); see {log}")
+        yield line.split()[2]
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
+
+
 def _script(path: str) -> list[ScriptedReply]:
     with open(path, "rb") as file:
         return msgspec.json.decode(file.read(), type=list[ScriptedReply])
@@ -488,6 +522,7 @@ def standins_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replies-file", help='a JSON list of replies: {"text": ...} or {"tool_call": {...}}')
     parser.add_argument("--transcript", action="append", default=[], help="a scripted transcript (repeatable)")
     parser.add_argument("--default-transcript", default=StandinConfig().default_transcript)
+    parser.add_argument("--default-reply", help="the reply once the script is spent (default: generated)")
     parser.add_argument("--llm-mode", default="ok", choices=["ok", "error", "garbage", "hang", "drop"])
     parser.add_argument("--asr-mode", default="ok", choices=["ok", "error", "garbage", "hang", "drop"])
     return parser
@@ -504,6 +539,7 @@ def config_from_args(args: argparse.Namespace) -> StandinConfig:
         replies=replies,
         transcripts=list(args.transcript),
         default_transcript=args.default_transcript,
+        default_reply=args.default_reply,
         llm_mode=args.llm_mode,
         asr_mode=args.asr_mode,
     )

@@ -113,22 +113,29 @@ def delta(response_id: str, ms: int) -> _Event:
     return _Event(type="response.output_audio.delta", response_id=response_id, delta=audio)
 
 
-async def realtime_outcome(status: str, fragment: str = "") -> tuple[SessionTrace, _Turn, FakeConnection]:
+async def realtime_outcome(
+    status: str, fragment: str = "", metadata: dict[str, str] | None = None, target: RealtimeTarget | None = None
+) -> tuple[SessionTrace, _Turn, FakeConnection]:
     """A voice-agent turn against a TTS engine: response created, 200 ms of audio, then ``response.done``."""
     spec = TargetSpec(label="realtime", target="realtime", url=f"ws://127.0.0.1:1/v1/realtime{fragment}")
-    target = RealtimeTarget(spec, SessionSettings())
+    target = target or RealtimeTarget(spec, SessionSettings())
     trace = SessionTrace(0, 0.0)
     state = _Session()
     connection = FakeConnection()
     lock = asyncio.Lock()
     utterance = trace.begin_utterance(0.0, "Hi.")
+    utterance.text_sent(0.0, 3)
     turn = _Turn(utterance, speech_end_s=0.0, duplex=False)
     state.turn = turn
     events = [
         _Event(type="session.created", session={"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}}),
+        _Event(type="input_audio_buffer.speech_stopped"),
         _Event(type="response.created", response={"id": "r1"}),
         *(delta("r1", 40) for _ in range(5)),
-        _Event(type="response.done", response={"id": "r1", "status": status, "status_details": {"reason": "x"}}),
+        _Event(
+            type="response.done",
+            response={"id": "r1", "status": status, "status_details": {"reason": "x"}, "metadata": metadata},
+        ),
     ]
     for index, event in enumerate(events):
         await target._on_event(event, 0.1 + 0.01 * index, trace, state, connection, lock)  # type: ignore[arg-type]
@@ -158,6 +165,19 @@ async def test_realtime_a_response_the_client_cancelled_is_a_completed_barge_in(
     assert turn.cancelled
     assert trace.utterances[0].status == "completed"
     assert trace.errors == {}
+
+
+async def test_realtime_talk_mode_collects_the_turn_timings_the_server_reports() -> None:
+    spec = TargetSpec(label="realtime", target="realtime", url="ws://127.0.0.1:1/v1/realtime#talk=1")
+    target = RealtimeTarget(spec, SessionSettings())
+    metadata = {"omnigate_asr_ms": "150.2", "omnigate_overhead_ms": "12.0", "omnigate_note": "x", "other_ms": "1"}
+    await realtime_outcome("completed", metadata=metadata, target=target)
+    await realtime_outcome("failed", metadata=metadata, target=target)  # a failed response reports no turn
+    [timings] = target.turn_timings
+    assert {k: v for k, v in timings.items() if not k.startswith("client_")} == {"asr": 150.2, "overhead": 12.0}
+    # speech sent at 0 s, speech_stopped at 0.11 s, the first reply audio at 0.13 s
+    assert timings["client_voice_to_voice"] == pytest.approx(130.0)
+    assert timings["client_turn_to_audio"] == pytest.approx(20.0)
 
 
 def test_realtime_output_format_when_unannounced() -> None:

@@ -3,12 +3,9 @@ and the ``omnigate-loadtest standins`` command serving them from a subprocess.""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +17,7 @@ from omnigate.loadtest.openai_standins import (
     StandinConfig,
     StandinServer,
     default_reply,
+    standins_process,
 )
 
 
@@ -57,6 +55,11 @@ async def test_scripted_replies_come_in_order_then_the_default(standins: Standin
     assert json.loads(arguments) == {"reason": "done"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert third["choices"][0]["message"]["content"].startswith("You said: hi.")
+    assert len(standins.state.stats.llm_first_token_service_ms) == 1  # the streamed one
+    standins.state.config.default_reply = "Fixed."
+    async with httpx.AsyncClient() as client:
+        fixed = (await client.post(url, json=body)).json()
+    assert fixed["choices"][0]["message"]["content"] == "Fixed."
 
 
 def test_the_default_reply_calls_a_named_tool_and_reads_back_its_output() -> None:
@@ -102,6 +105,7 @@ async def test_the_config_route_changes_delays_and_scripts(standins: StandinServ
     assert [t["text"] for t in texts] == ["a", "b", StandinConfig().default_transcript]
     assert texts[0]["usage"] == {"type": "duration", "seconds": 0.1}
     assert standins.state.stats.asr_audio_s == [0.1, 0.1, 0.1]
+    assert len(standins.state.stats.asr_service_ms) == 3 and min(standins.state.stats.asr_service_ms) >= 5.0
 
 
 async def test_an_upload_that_is_not_a_wav_is_refused(standins: StandinServer) -> None:
@@ -111,27 +115,10 @@ async def test_an_upload_that_is_not_a_wav_is_refused(standins: StandinServer) -
     assert refused.status_code == 400
 
 
-async def test_the_command_serves_the_standins_from_a_subprocess() -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "omnigate.loadtest.cli",
-        "standins",
-        "--port",
-        "0",
-        "--reply",
-        "Scripted.",
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-        base = line.split()[2]
+async def test_the_command_serves_the_standins_from_a_subprocess(tmp_path: Path) -> None:
+    async with standins_process(["--reply", "Scripted.", "--asr-delay-ms", "0"], tmp_path / "standins.log") as base:
         assert base.startswith("http://127.0.0.1:") and base.endswith("/v1")
         async with httpx.AsyncClient() as client:
-            reply = await client.post(base + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-        assert reply.json()["choices"][0]["message"]["content"] == "Scripted."
-    finally:
-        process.terminate()
-        # uvicorn shuts down gracefully, then re-raises the signal it caught
-        assert await asyncio.wait_for(process.wait(), 30) in (0, -signal.SIGTERM)
+            body = {"messages": [{"role": "user", "content": "x"}]}
+            reply = await client.post(base + "/chat/completions", json=body)
+    assert reply.json()["choices"][0]["message"]["content"] == "Scripted."

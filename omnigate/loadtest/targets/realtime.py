@@ -7,7 +7,11 @@ with the piper voice ``joe-us``: "Could you book a table for two at eight tonigh
 - against a text-to-speech engine the client waits for the server's ``speech_stopped`` (server VAD ends the turn),
   creates an assistant item with the utterance's text and asks for a response, as an agent with its own LLM does;
 - against a natively duplex engine the model answers on its own: the turn's reply is the model audio that follows
-  the end of the user's speech, until the response ends or ``reply_ms`` of it has arrived.
+  the end of the user's speech, until the response ends or ``reply_ms`` of it has arrived;
+- in talk mode (``talk=1``, a server started with ``--llm-url``) the server answers on its own too: it transcribes
+  the turn, asks its LLM and speaks the reply; the client only speaks and listens, at the server's default turn
+  detection. The per-turn timings the server reports in ``response.done``'s metadata (``omnigate_*_ms``) are
+  collected in :attr:`RealtimeTarget.turn_timings`.
 
 An utterance's TTFA is the voice-to-voice latency: from the last append of the user's speech to the first audio of
 the reply. Underruns come from replaying the reply's arrivals through the jitter-buffer player. With
@@ -16,7 +20,7 @@ barge-in reaction time: from sending the cancel to the last audio delta of that 
 (:attr:`RealtimeTarget.barge_in_ms`).
 
 Client options go in the URL fragment, which never reaches the server:
-``ws://host:8000/v1/realtime?duplex=1#append_ms=20&barge_in_ms=600&reply_ms=3000``.
+``ws://host:8000/v1/realtime?duplex=1#append_ms=20&barge_in_ms=600&reply_ms=3000``, ``...#talk=1``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class RealtimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     barge_in_ms: float | None = None
     reply_ms: float = 3000.0
     speech: str | None = None  # a mono 16-bit WAV to speak instead of the built-in recording
+    talk: bool = False  # the server answers the user itself (its LLM); the client only speaks and listens
 
     def __post_init__(self) -> None:
         if not 20 <= self.append_ms <= 100:
@@ -110,6 +115,7 @@ class _Turn:
     response_id: str | None = None
     reply_ms: float = 0.0
     cancel_sent_s: float | None = None
+    speech_stopped_s: float | None = None  # when the server's VAD said the user's turn ended
     cancelled: bool = False
     done_s: float | None = None
     last_delta_s: float | None = None
@@ -142,6 +148,10 @@ class RealtimeTarget(Target):
         """Barge-in reaction times of every session so far: response.cancel sent to last audio delta, ms."""
         self.cancel_to_done_ms: list[float] = []
         """From response.cancel sent to that response's response.done received, ms."""
+        self.turn_timings: list[dict[str, float]] = []
+        """Talk mode, per completed response: its ``omnigate_<step>_ms`` metadata as ``{step: ms}``, and the client's
+        own ``client_voice_to_voice`` (end of speech sent to first reply audio) and ``client_turn_to_audio``
+        (``speech_stopped`` received to first reply audio)."""
 
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
         connection = await connect_traced(
@@ -165,7 +175,7 @@ class RealtimeTarget(Target):
             if not await self._wait(state.created, reader, self.settings.connect_timeout_s):
                 trace.error("no_session_created")
                 return
-            if not state.duplex:
+            if not state.duplex and not self.options.talk:
                 # The agent composes the replies: the server's VAD only ends the user's turns.
                 turn_detection = {"type": "server_vad", "create_response": False, "interrupt_response": True}
                 update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": turn_detection}}}}
@@ -182,9 +192,9 @@ class RealtimeTarget(Target):
                 utterance.text_sent(speech_end_s, len(text))
                 turn = _Turn(utterance, speech_end_s, state.duplex)
                 state.turn = turn
-                if not state.duplex:
-                    if not await self._wait(state.speech_stopped, reader, _SPEECH_STOP_WAIT_S):
-                        trace.error("no_speech_stopped")
+                if not state.duplex and not await self._wait(state.speech_stopped, reader, _SPEECH_STOP_WAIT_S):
+                    trace.error("no_speech_stopped")
+                if not state.duplex and not self.options.talk:
                     item = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
                     await self._send(connection, sending, {"type": "conversation.item.create", "item": item})
                     await self._send(connection, sending, {"type": "response.create"})
@@ -204,6 +214,16 @@ class RealtimeTarget(Target):
                 microphone.cancel()
             reader.cancel()
             await asyncio.gather(*(t for t in (reader, microphone) if t is not None), return_exceptions=True)
+
+    @staticmethod
+    def _turn_timings(turn: _Turn, metadata: object) -> dict[str, float]:
+        timings = reported_timings(metadata)
+        voice_to_voice = turn.utterance.ttfa_ms()
+        if voice_to_voice is not None:
+            timings["client_voice_to_voice"] = voice_to_voice
+        if turn.speech_stopped_s is not None and turn.utterance.arrivals:
+            timings["client_turn_to_audio"] = (turn.utterance.arrivals[0][0] - turn.speech_stopped_s) * 1000.0
+        return timings
 
     async def _wait(self, event: asyncio.Event, reader: asyncio.Task[None], timeout_s: float) -> bool:
         waiter = asyncio.ensure_future(event.wait())
@@ -254,6 +274,8 @@ class RealtimeTarget(Target):
             trace.record_negotiated("format", output_format(session))
             state.created.set()
         elif kind == "input_audio_buffer.speech_stopped":
+            if turn is not None and turn.speech_stopped_s is None and now_s >= turn.speech_end_s:
+                turn.speech_stopped_s = now_s
             state.speech_stopped.set()
         elif kind == "error":
             error = event.error or {}
@@ -291,10 +313,26 @@ class RealtimeTarget(Target):
             # by the user as a cut-off reply.
             if status == "completed" or (turn.cancelled and turn.cancel_sent_s is not None):
                 turn.utterance.finish(now_s, "completed")
+                if self.options.talk and status == "completed":
+                    self.turn_timings.append(self._turn_timings(turn, response.get("metadata")))
             else:
                 trace.error(f"response_{status}", str(response.get("status_details")))
                 turn.utterance.finish(now_s, "failed")
             turn.done.set()
+
+
+def reported_timings(metadata: object) -> dict[str, float]:
+    """The ``omnigate_<step>_ms`` values of a response's metadata as ``{step: ms}``."""
+    if not isinstance(metadata, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, value in metadata.items():
+        if isinstance(key, str) and key.startswith("omnigate_") and key.endswith("_ms"):
+            try:
+                out[key.removeprefix("omnigate_").removesuffix("_ms")] = float(value)
+            except (TypeError, ValueError):
+                continue
+    return out
 
 
 def output_format(session: dict[str, Any]) -> str:
