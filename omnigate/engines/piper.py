@@ -143,11 +143,12 @@ class PiperEngine(Engine):
         session_options = onnxruntime.SessionOptions()
         session_options.intra_op_num_threads = 1
         session_options.inter_op_num_threads = 1
-        # Without the arena, buffers go back to the allocator after each run: a voice's memory stays flat whatever
-        # sentence lengths it has seen, instead of keeping the high-water mark of the longest one.
+        # Without the arena, buffers go back to glibc after each run and the periodic trim returns what it keeps.
+        # glibc's own mmap threshold stays: fixing it low (every large buffer a fresh mmap) made the kernel zero
+        # new pages on every call, 0.16 instead of 0.09 CPU seconds per second of audio. What the heaps keep is
+        # bounded by the longest call, which piece_ms bounds (docs/reliability/results.md, "Piper heap").
         session_options.enable_cpu_mem_arena = False
         session_options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        _bound_large_allocations()
         session = onnxruntime.InferenceSession(
             str(model_path), sess_options=session_options, providers=["CPUExecutionProvider"]
         )
@@ -411,25 +412,9 @@ def _languages(config: Mapping[str, Any]) -> tuple[str, ...]:
     return (primary, f"{primary}-{region.upper()}") if region else (primary,)
 
 
-# glibc's M_MMAP_THRESHOLD parameter of mallopt(3).
-_M_MMAP_THRESHOLD = -3
-
-
 def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
         return None
     return libc if hasattr(libc, "malloc_trim") else None
-
-
-def _bound_large_allocations() -> None:
-    """Serve allocations of 1 MiB and more with mmap, so freeing them returns the memory to the system.
-
-    Without the arena, each synthesis allocates its buffers through malloc. glibc raises its mmap threshold after
-    the first large frees and from then on keeps such buffers in per-thread heaps that it does not give back, so a
-    process's memory would step up with every new thread and sentence length it has seen.
-    """
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)

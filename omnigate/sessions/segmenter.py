@@ -35,7 +35,7 @@ Rules, in order of precedence:
   words followed by whitespace, when that comes before the sentence's end: the engine's first call is short, so
   first audio comes soon. The cut takes one whitespace character, like a definite sentence end, and is decided as
   soon as that character arrives. Later units are whole sentences again (better prosody). A word-budget cut can fall
-  mid-phrase ("The weather in Lisbon tomorrow | looks mild"); text without spaces (CJK) has no word budget.
+  mid-phrase ("The weather in | Lisbon tomorrow"); text without spaces (CJK) has no word budget.
 * **Forced cuts bound latency.** Once more than ``max_chars`` characters (not counting leading whitespace) wait
   without a boundary, the unit ends after the last whitespace within the limit, or mid-word at the limit when there is
   none. When the oldest buffered non-space character has waited ``max_wait_ms``, the buffer is released up to its
@@ -104,11 +104,13 @@ class SegmenterConfig(msgspec.Struct, frozen=True):
     """A push that would buffer more than this raises SegmenterOverflow and changes nothing."""
     first_unit_clause: bool = True
     """The first unit of an utterance also ends at a clause mark followed by whitespace."""
-    first_unit_max_words: int = 5
-    """The first unit of an utterance ends after this many words at most (0: no word budget)."""
-    first_unit_min_words: int = 3
-    """A clause mark ends the first unit only after this many words: shorter audio would play out before the next
-    unit's text has arrived and been synthesized."""
+    first_unit_max_words: int = 3
+    """The first unit of an utterance ends after this many words at most (0: no word budget). Three words are about
+    a second of audio: piper synthesizes them in under 0.1 s of CPU, and they play while the next unit's text
+    arrives and is synthesized."""
+    first_unit_min_words: int = 2
+    """A clause mark ends the first unit only after this many words: a single word ("Sure, ") would play out before
+    the next unit's text has arrived and been synthesized."""
 
     def __post_init__(self) -> None:
         if self.granularity not in ("sentence", "clause"):
@@ -325,10 +327,11 @@ class TextSegmenter:
                 and len(word) > 1
             )
             if clause or words == config.first_unit_max_words:
-                # The whitespace after the word settles the cut: waiting for the next word would hold the first
-                # audio back by a word's time at the client's pace.
                 cut = match.end() + 1
-                if (sentence_cut is None or cut < sentence_cut) and self._acceptable(text, cut):
+                # A cut at the buffer's end is decided at once unless a sentence boundary before it is still
+                # undecided (the scan stopped short of the end): first audio does not wait for the next word.
+                settled = cut < end or (sentence_cut is None and self._scan_from >= len(text))
+                if settled and self._acceptable(text, cut):
                     return cut
         return None
 

@@ -27,7 +27,7 @@ async def test_piper_speech_streams_before_input_done_and_is_speech(piper_server
         start = await next_json(ws)
         assert start["type"] == "audio.start"
         assert start["utterance_index"] == 0 and start["sentence_index"] == 0
-        assert start["sentence_text"].startswith("The quick brown fox")
+        assert start["sentence_text"].startswith("The quick brown")
         assert start["sample_rate"] == 22050 and start["format"] == "pcm"
         await send(ws, "input.text", text=" it ran away into the forest.")
         await send(ws, "input.done")

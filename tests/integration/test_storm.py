@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 # The test process also runs the clients, so a few descriptors (a resolver, a pooled socket) may differ.
 FD_SLACK = 4
 MIB = 1024 * 1024
-# The server runs in the test process, so RSS is the process's. The piper engine serves its large synthesis buffers
-# with mmap (see piper.py), so what a storm leaves behind shows here rather than hiding in allocator heaps.
+# The server runs in the test process, so RSS is the process's. The piper engine runs without onnxruntime's arena and
+# trims glibc's heaps every few calls, so what a storm leaves behind shows here rather than hiding in allocator heaps;
+# the warm-up storm has already grown the heaps to what the longest piece needs.
 RSS_BOUND_BYTES = {"synthetic": 48 * MIB, "piper": 96 * MIB}
 
 

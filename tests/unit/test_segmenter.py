@@ -213,6 +213,38 @@ def test_the_first_unit_of_an_utterance_ends_at_a_clause_or_a_word_budget(text: 
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Sure, I can help with that. Bye.", ["Sure, I can ", "help with that. ", "Bye."]),
+        ("Yes please, send it now.", ["Yes please, ", "send it now."]),
+        ("Yes, of course, I can help.", ["Yes, of course, ", "I can help."]),
+        ("Hi there! How can I help?", ["Hi there! ", "How can I help?"]),
+        ("Okay, thanks.", ["Okay, thanks."]),
+    ],
+)
+def test_the_default_first_unit_is_three_words_or_a_clause_after_two(text: str, expected: list[str]) -> None:
+    assert segment_text(text, SegmenterConfig()) == expected
+    units, _ = segment(list(text), SegmenterConfig())
+    assert units == expected
+
+
+def test_the_first_unit_is_released_by_its_whitespace_without_waiting_for_the_next_word() -> None:
+    segmenter = TextSegmenter()
+    assert segmenter.push("Sure, ", 0.0) == []
+    assert segmenter.push("I ", 0.0) == []
+    assert segmenter.push("can ", 0.0) == ["Sure, I can "]
+    assert segmenter.push("help with that. ", 0.0) == ["help with that. "]
+
+
+def test_the_first_unit_waits_while_a_boundary_before_its_cut_is_undecided() -> None:
+    # After 'no."' a dialogue tag may follow: the boundary waits for the next word, and so does the first unit.
+    segmenter = TextSegmenter()
+    assert segmenter.push('He said "no." ', 0.0) == []
+    assert segmenter.push(" Then", 0.0) == ['He said "no." ']
+    assert segmenter.flush() == [" Then"]
+
+
+@pytest.mark.parametrize(
     ("words", "unit"),
     [
         (["Sure, ", "I ", "can ", "help ", "with ", "that. "], "Sure, I can help with "),

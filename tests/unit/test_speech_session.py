@@ -181,7 +181,7 @@ def test_idle_timeout_covers_gaps_between_utterances_but_not_generation() -> Non
 def test_forced_flush_after_max_wait_reaches_the_engine() -> None:
     s = SpeechSession(INFO, SessionLimits(), 0.0)
     s.handle(Configure(SessionConfig()), 0.0)
-    s.handle(AppendText("words without punctuation "), 0.0)  # fewer words than the first unit's budget
+    s.handle(AppendText("two words "), 0.0)  # fewer words than the first unit's budget
     deadline = s.next_deadline_ms()
     assert deadline is not None and deadline <= 400.0
     actions = s.poll(deadline)
@@ -251,12 +251,12 @@ def test_queued_utterances_are_bounded(n: int) -> None:
 
 def test_text_over_the_utterance_bound_is_refused_whole_and_the_utterance_goes_on() -> None:
     s = configured(SessionLimits(max_utterance_chars=20))
-    s.handle(AppendText("Hello there, "), 0.0)
+    actions = s.handle(AppendText("Hello there, "), 0.0)  # a clause after two words: the first unit, at once
     [err] = events(s.handle(AppendText("general Kenobi."), 1.0))
     assert isinstance(err, ErrorEvent) and err.code == "utterance_too_long" and err.param == "text"
     assert not err.fatal and not s.closed
     # Nothing of the refused text reached the utterance; what was sent is still spoken, and the next one is fresh.
-    actions = s.handle(Flush(), 2.0)
+    actions += s.handle(Flush(), 2.0)
     assert [a.text for a in actions if isinstance(a, PushText)] == ["Hello there, "]
     s.on_engine(0, [*engine_segment(0, "Hello there, "), StreamDone()], 3.0)
     assert not events(s.handle(AppendText("general Kenobi."), 4.0))
