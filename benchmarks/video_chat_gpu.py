@@ -22,17 +22,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from omnigate.gateway.settings import Settings
 from tests.serving import serve
@@ -67,7 +70,41 @@ def summary(values: list[float]) -> dict[str, float | int]:
     }
 
 
-async def one_session(url: str, frames: list[str], args: argparse.Namespace, results: dict[str, list[float]]) -> None:
+class Outcomes:
+    """Why the queries of a level ended: terminal statuses and error codes by count, a few messages of each code."""
+
+    EXAMPLES = 3
+
+    def __init__(self) -> None:
+        self.statuses: Counter[str] = Counter()
+        self.text_statuses: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.closed: Counter[str] = Counter()
+
+    def error(self, event: dict[str, Any]) -> None:
+        code = str(event.get("code", "?"))
+        if event.get("fatal"):
+            code += " (fatal)"
+        self.errors[code] += 1
+        seen = self.examples.setdefault(code, [])
+        message = str(event.get("message", ""))[:200]
+        if len(seen) < self.EXAMPLES and message not in seen:
+            seen.append(message)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "audio_done_status": dict(self.statuses),
+            "text_done_status": dict(self.text_statuses),
+            "error_codes": dict(self.errors),
+            "error_examples": self.examples,
+            "session_ends": dict(self.closed),
+        }
+
+
+async def one_session(
+    url: str, frames: list[str], args: argparse.Namespace, results: dict[str, list[float]], outcomes: Outcomes
+) -> None:
     async with connect(url + ROUTE, max_size=None) as ws:
         config = {"num_frames": args.num_frames, "max_new_tokens": args.max_new_tokens, "audio_format": "pcm"}
         await ws.send(json.dumps({"type": "session.config", **config}))
@@ -76,10 +113,18 @@ async def one_session(url: str, frames: list[str], args: argparse.Namespace, res
         state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0, "open": False}
 
         async def reader() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                await read_events()
+            outcomes.closed[f"server closed: {ws.close_code} {ws.close_reason or ''}".strip()] += 1
+
+        async def read_events() -> None:
             async for message in ws:
                 event = json.loads(message)
                 kind = event["type"]
                 asked = state["asked"]
+                if kind == "error":
+                    on_error(event)
+                    continue
                 if asked is None:
                     continue
                 if kind == "response.text.delta" and not state["text"]:
@@ -90,11 +135,18 @@ async def one_session(url: str, frames: list[str], args: argparse.Namespace, res
                     state["audio"] = True
                     if state["round"] > 1:
                         results["first_audio"].append(time.perf_counter() - asked)
+                elif kind == "response.text.done":
+                    outcomes.text_statuses[event["status"]] += 1
                 elif kind == "response.audio.done":
                     results["status_" + event["status"]].append(0.0)
+                    outcomes.statuses[event["status"]] += 1
                     state["open"] = False
-                elif kind == "error":
-                    results["errors"].append(0.0)
+                elif kind == "session.done":
+                    outcomes.closed[str(event.get("reason"))] += 1
+
+        def on_error(event: dict[str, Any]) -> None:
+            outcomes.error(event)
+            results["errors"].append(0.0)
 
         read = asyncio.create_task(reader())
         i = 0
@@ -109,6 +161,8 @@ async def one_session(url: str, frames: list[str], args: argparse.Namespace, res
                     await ws.send(json.dumps({"type": "video.query", "text": "What is moving in the picture?"}))
                     next_query = loop.time() + args.query_every
                 await asyncio.sleep(1.0 / args.fps)  # the camera's frame rate (a client pacing, not synchronisation)
+        except ConnectionClosed:
+            pass  # the server ended the session: the reader recorded why
         finally:
             read.cancel()
 
@@ -117,7 +171,8 @@ async def level(url: str, sessions: int, frames: list[str], args: argparse.Names
     from collections import defaultdict
 
     results: dict[str, list[float]] = defaultdict(list)
-    await asyncio.gather(*(one_session(url, frames, args, results) for _ in range(sessions)))
+    outcomes = Outcomes()
+    await asyncio.gather(*(one_session(url, frames, args, results, outcomes) for _ in range(sessions)))
     return {
         "sessions": sessions,
         "first_text_delta": summary(results["first_text"]),
@@ -126,6 +181,7 @@ async def level(url: str, sessions: int, frames: list[str], args: argparse.Names
         "cancelled": len(results["status_cancelled"]),
         "failed": len(results["status_error"]),
         "errors": len(results["errors"]),
+        **outcomes.report(),
     }
 
 
@@ -178,6 +234,13 @@ def main() -> None:
     parser.add_argument("--dtype", default=env("BENCH_DTYPE", "bfloat16"), help="dtype of both engines")
     parser.add_argument("--speech-model", default=env("BENCH_SPEECH_MODEL", "preset:csm-1b"), help="talker --model")
     parser.add_argument("--omni-model", default=env("BENCH_OMNI_MODEL", "preset:qwen2.5-omni-3b"))
+    parser.add_argument(
+        "--admission",
+        default=env("BENCH_ADMISSION", "slots"),
+        choices=["slots", "headroom"],
+        help="the talker's admission: slots (default) measures what the engines carry at every level; headroom "
+        "refuses speech streams the talker would not keep on time (engine_busy), as a production gateway does",
+    )
     parser.add_argument("--levels", default="1,16,64", help="session counts, comma-separated")
     parser.add_argument("--fps", type=float, default=2.0)
     parser.add_argument("--query-every", type=float, default=6.0, help="seconds between a session's questions")
@@ -201,6 +264,7 @@ def main() -> None:
             omni_options={**placement, "max_sessions": str(top)},
             max_sessions=2 * top,
             idle_timeout_s=120.0,
+            admission=args.admission,
         )
     frames = camera_frames(24)
     report: dict[str, Any] = {
@@ -208,6 +272,7 @@ def main() -> None:
         "speech_engine": f"{settings.engine} {settings.model or ''}".strip(),
         "engine_options": settings.engine_options,
         "omni_options": settings.omni_options,
+        "admission": settings.admission,
         "fps": args.fps,
         "query_every_s": args.query_every,
         "duration_s_per_level": args.duration,
