@@ -3,7 +3,11 @@
 Starts the real gateway in this process (omni engine + talker speech engine), then at each session count N opens N
 WebSocket clients of ``/v1/video/chat/stream`` that send JPEG camera frames at ``--fps`` and ask one question every
 ``--query-every`` seconds; it reports, per level, the time from ``video.query`` to the first text delta and to the
-first audio byte (p50/p95/max over every query after the first round). Then it measures the vision encoder alone:
+first audio byte (p50/p95/max over every query after the first round; the first round apart), and why each level's
+questions ended: terminal statuses, error codes with a few messages, questions still open after ``--drain`` seconds,
+and the thinker's token rate (its decode is one forward per answer per token, shared by every answering session).
+The talker admits by slots (``--admission slots``) so that a level measures what the engines carry; ``headroom``
+measures what a production gateway admits. Then it measures the vision encoder alone:
 milliseconds per frame when every frame is new, and when the frames are unchanged (their vision tokens come from
 the session's encoder cache).
 
@@ -81,6 +85,7 @@ class Outcomes:
         self.errors: Counter[str] = Counter()
         self.examples: dict[str, list[str]] = {}
         self.closed: Counter[str] = Counter()
+        self.unfinished = 0  # questions still unanswered when the level and its drain time ended
 
     def error(self, event: dict[str, Any]) -> None:
         code = str(event.get("code", "?"))
@@ -99,6 +104,7 @@ class Outcomes:
             "error_codes": dict(self.errors),
             "error_examples": self.examples,
             "session_ends": dict(self.closed),
+            "unfinished": self.unfinished,
         }
 
 
@@ -110,7 +116,10 @@ async def one_session(
         await ws.send(json.dumps({"type": "session.config", **config}))
         loop = asyncio.get_running_loop()
         end = loop.time() + args.duration
-        state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0, "open": False}
+        state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0}
+        # A question is open until both its text and its audio terminal came: the next one waits for it (a new
+        # question would cancel the answer in flight, and a slow answer would read as cancelled, not as slow).
+        text_open, audio_open = asyncio.Event(), asyncio.Event()
 
         async def reader() -> None:
             with contextlib.suppress(ConnectionClosed):
@@ -129,18 +138,20 @@ async def one_session(
                     continue
                 if kind == "response.text.delta" and not state["text"]:
                     state["text"] = True
-                    if state["round"] > 1:  # a session's first question warms it up
-                        results["first_text"].append(time.perf_counter() - asked)
+                    # A session's first question warms it up (reported apart: at many sessions it may be the only one)
+                    key = "first_text" if state["round"] > 1 else "first_text_round1"
+                    results[key].append(time.perf_counter() - asked)
                 elif kind == "response.audio.delta" and not state["audio"]:
                     state["audio"] = True
-                    if state["round"] > 1:
-                        results["first_audio"].append(time.perf_counter() - asked)
+                    key = "first_audio" if state["round"] > 1 else "first_audio_round1"
+                    results[key].append(time.perf_counter() - asked)
                 elif kind == "response.text.done":
                     outcomes.text_statuses[event["status"]] += 1
+                    text_open.clear()
                 elif kind == "response.audio.done":
                     results["status_" + event["status"]].append(0.0)
                     outcomes.statuses[event["status"]] += 1
-                    state["open"] = False
+                    audio_open.clear()
                 elif kind == "session.done":
                     outcomes.closed[str(event.get("reason"))] += 1
 
@@ -155,12 +166,22 @@ async def one_session(
             while loop.time() < end:
                 await ws.send(json.dumps({"type": "video.frame", "data": frames[i % len(frames)]}))
                 i += 1
-                if loop.time() >= next_query and not state["open"]:
-                    state.update(asked=time.perf_counter(), text=False, audio=False, open=True)
+                if loop.time() >= next_query and not text_open.is_set() and not audio_open.is_set():
+                    state.update(asked=time.perf_counter(), text=False, audio=False)
+                    text_open.set()
+                    audio_open.set()
                     state["round"] += 1
                     await ws.send(json.dumps({"type": "video.query", "text": "What is moving in the picture?"}))
                     next_query = loop.time() + args.query_every
                 await asyncio.sleep(1.0 / args.fps)  # the camera's frame rate (a client pacing, not synchronisation)
+            # The level's time is up: no new question; the one still open may finish within --drain.
+            drain_end = loop.time() + args.drain
+            while (text_open.is_set() or audio_open.is_set()) and loop.time() < drain_end and not read.done():
+                await ws.send(json.dumps({"type": "video.frame", "data": frames[i % len(frames)]}))
+                i += 1
+                await asyncio.sleep(1.0 / args.fps)
+            if text_open.is_set() or audio_open.is_set():
+                outcomes.unfinished += 1
         except ConnectionClosed:
             pass  # the server ended the session: the reader recorded why
         finally:
@@ -177,6 +198,10 @@ async def level(url: str, sessions: int, frames: list[str], args: argparse.Names
         "sessions": sessions,
         "first_text_delta": summary(results["first_text"]),
         "first_audio_byte": summary(results["first_audio"]),
+        "first_question": {
+            "first_text_delta": summary(results["first_text_round1"]),
+            "first_audio_byte": summary(results["first_audio_round1"]),
+        },
         "completed": len(results["status_completed"]),
         "cancelled": len(results["status_cancelled"]),
         "failed": len(results["status_error"]),
@@ -245,6 +270,9 @@ def main() -> None:
     parser.add_argument("--fps", type=float, default=2.0)
     parser.add_argument("--query-every", type=float, default=6.0, help="seconds between a session's questions")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per level")
+    parser.add_argument(
+        "--drain", type=float, default=30.0, help="seconds a level waits for the answers still open at its end"
+    )
     parser.add_argument("--num-frames", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--encoder-frames", type=int, default=32)
@@ -286,8 +314,15 @@ def main() -> None:
         engine = server.app.state.omni_engine
         report["tokens_per_frame"] = engine.info.tokens_per_frame
         for sessions in levels:
+            tokens, steps, started = engine.tokens_total, engine.steps, time.perf_counter()
             result = asyncio.run(level(server.ws_url, sessions, frames, args))
-            result["omni_steps"] = engine.steps
+            wall = time.perf_counter() - started
+            # The thinker decodes one answer's token per forward, serially across sessions: its token rate is
+            # what every answering session shares.
+            result["omni_steps"] = engine.steps - steps
+            result["omni_tokens"] = engine.tokens_total - tokens
+            result["omni_tokens_per_s"] = round(result["omni_tokens"] / wall, 1)
+            result["level_wall_s"] = round(wall, 1)
             print(json.dumps(result), flush=True)
             report["levels"].append(result)
         report["encoder"] = encoder_cost(engine, args.encoder_frames)
