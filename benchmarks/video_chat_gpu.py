@@ -3,7 +3,11 @@
 Starts the real gateway in this process (omni engine + talker speech engine), then at each session count N opens N
 WebSocket clients of ``/v1/video/chat/stream`` that send JPEG camera frames at ``--fps`` and ask one question every
 ``--query-every`` seconds; it reports, per level, the time from ``video.query`` to the first text delta and to the
-first audio byte (p50/p95/max over every query after the first round). Then it measures the vision encoder alone:
+first audio byte (p50/p95/max over every query after the first round; the first round apart), and why each level's
+questions ended: terminal statuses, error codes with a few messages, questions still open after ``--drain`` seconds,
+and the thinker's token rate (its decode is one forward per answer per token, shared by every answering session).
+The talker admits by slots (``--admission slots``) so that a level measures what the engines carry; ``headroom``
+measures what a production gateway admits. Then it measures the vision encoder alone:
 milliseconds per frame when every frame is new, and when the frames are unchanged (their vision tokens come from
 the session's encoder cache).
 
@@ -22,17 +26,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from omnigate.gateway.settings import Settings
 from tests.serving import serve
@@ -67,34 +74,90 @@ def summary(values: list[float]) -> dict[str, float | int]:
     }
 
 
-async def one_session(url: str, frames: list[str], args: argparse.Namespace, results: dict[str, list[float]]) -> None:
+class Outcomes:
+    """Why the queries of a level ended: terminal statuses and error codes by count, a few messages of each code."""
+
+    EXAMPLES = 3
+
+    def __init__(self) -> None:
+        self.statuses: Counter[str] = Counter()
+        self.text_statuses: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.closed: Counter[str] = Counter()
+        self.unfinished = 0  # questions still unanswered when the level and its drain time ended
+
+    def error(self, event: dict[str, Any]) -> None:
+        code = str(event.get("code", "?"))
+        if event.get("fatal"):
+            code += " (fatal)"
+        self.errors[code] += 1
+        seen = self.examples.setdefault(code, [])
+        message = str(event.get("message", ""))[:200]
+        if len(seen) < self.EXAMPLES and message not in seen:
+            seen.append(message)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "audio_done_status": dict(self.statuses),
+            "text_done_status": dict(self.text_statuses),
+            "error_codes": dict(self.errors),
+            "error_examples": self.examples,
+            "session_ends": dict(self.closed),
+            "unfinished": self.unfinished,
+        }
+
+
+async def one_session(
+    url: str, frames: list[str], args: argparse.Namespace, results: dict[str, list[float]], outcomes: Outcomes
+) -> None:
     async with connect(url + ROUTE, max_size=None) as ws:
         config = {"num_frames": args.num_frames, "max_new_tokens": args.max_new_tokens, "audio_format": "pcm"}
         await ws.send(json.dumps({"type": "session.config", **config}))
         loop = asyncio.get_running_loop()
         end = loop.time() + args.duration
-        state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0, "open": False}
+        state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0}
+        # A question is open until both its text and its audio terminal came: the next one waits for it (a new
+        # question would cancel the answer in flight, and a slow answer would read as cancelled, not as slow).
+        text_open, audio_open = asyncio.Event(), asyncio.Event()
 
         async def reader() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                await read_events()
+            outcomes.closed[f"server closed: {ws.close_code} {ws.close_reason or ''}".strip()] += 1
+
+        async def read_events() -> None:
             async for message in ws:
                 event = json.loads(message)
                 kind = event["type"]
                 asked = state["asked"]
+                if kind == "error":
+                    on_error(event)
+                    continue
                 if asked is None:
                     continue
                 if kind == "response.text.delta" and not state["text"]:
                     state["text"] = True
-                    if state["round"] > 1:  # a session's first question warms it up
-                        results["first_text"].append(time.perf_counter() - asked)
+                    # A session's first question warms it up (reported apart: at many sessions it may be the only one)
+                    key = "first_text" if state["round"] > 1 else "first_text_round1"
+                    results[key].append(time.perf_counter() - asked)
                 elif kind == "response.audio.delta" and not state["audio"]:
                     state["audio"] = True
-                    if state["round"] > 1:
-                        results["first_audio"].append(time.perf_counter() - asked)
+                    key = "first_audio" if state["round"] > 1 else "first_audio_round1"
+                    results[key].append(time.perf_counter() - asked)
+                elif kind == "response.text.done":
+                    outcomes.text_statuses[event["status"]] += 1
+                    text_open.clear()
                 elif kind == "response.audio.done":
                     results["status_" + event["status"]].append(0.0)
-                    state["open"] = False
-                elif kind == "error":
-                    results["errors"].append(0.0)
+                    outcomes.statuses[event["status"]] += 1
+                    audio_open.clear()
+                elif kind == "session.done":
+                    outcomes.closed[str(event.get("reason"))] += 1
+
+        def on_error(event: dict[str, Any]) -> None:
+            outcomes.error(event)
+            results["errors"].append(0.0)
 
         read = asyncio.create_task(reader())
         i = 0
@@ -103,12 +166,24 @@ async def one_session(url: str, frames: list[str], args: argparse.Namespace, res
             while loop.time() < end:
                 await ws.send(json.dumps({"type": "video.frame", "data": frames[i % len(frames)]}))
                 i += 1
-                if loop.time() >= next_query and not state["open"]:
-                    state.update(asked=time.perf_counter(), text=False, audio=False, open=True)
+                if loop.time() >= next_query and not text_open.is_set() and not audio_open.is_set():
+                    state.update(asked=time.perf_counter(), text=False, audio=False)
+                    text_open.set()
+                    audio_open.set()
                     state["round"] += 1
                     await ws.send(json.dumps({"type": "video.query", "text": "What is moving in the picture?"}))
                     next_query = loop.time() + args.query_every
                 await asyncio.sleep(1.0 / args.fps)  # the camera's frame rate (a client pacing, not synchronisation)
+            # The level's time is up: no new question; the one still open may finish within --drain.
+            drain_end = loop.time() + args.drain
+            while (text_open.is_set() or audio_open.is_set()) and loop.time() < drain_end and not read.done():
+                await ws.send(json.dumps({"type": "video.frame", "data": frames[i % len(frames)]}))
+                i += 1
+                await asyncio.sleep(1.0 / args.fps)
+            if text_open.is_set() or audio_open.is_set():
+                outcomes.unfinished += 1
+        except ConnectionClosed:
+            pass  # the server ended the session: the reader recorded why
         finally:
             read.cancel()
 
@@ -117,15 +192,21 @@ async def level(url: str, sessions: int, frames: list[str], args: argparse.Names
     from collections import defaultdict
 
     results: dict[str, list[float]] = defaultdict(list)
-    await asyncio.gather(*(one_session(url, frames, args, results) for _ in range(sessions)))
+    outcomes = Outcomes()
+    await asyncio.gather(*(one_session(url, frames, args, results, outcomes) for _ in range(sessions)))
     return {
         "sessions": sessions,
         "first_text_delta": summary(results["first_text"]),
         "first_audio_byte": summary(results["first_audio"]),
+        "first_question": {
+            "first_text_delta": summary(results["first_text_round1"]),
+            "first_audio_byte": summary(results["first_audio_round1"]),
+        },
         "completed": len(results["status_completed"]),
         "cancelled": len(results["status_cancelled"]),
         "failed": len(results["status_error"]),
         "errors": len(results["errors"]),
+        **outcomes.report(),
     }
 
 
@@ -178,10 +259,20 @@ def main() -> None:
     parser.add_argument("--dtype", default=env("BENCH_DTYPE", "bfloat16"), help="dtype of both engines")
     parser.add_argument("--speech-model", default=env("BENCH_SPEECH_MODEL", "preset:csm-1b"), help="talker --model")
     parser.add_argument("--omni-model", default=env("BENCH_OMNI_MODEL", "preset:qwen2.5-omni-3b"))
+    parser.add_argument(
+        "--admission",
+        default=env("BENCH_ADMISSION", "slots"),
+        choices=["slots", "headroom"],
+        help="the talker's admission: slots (default) measures what the engines carry at every level; headroom "
+        "refuses speech streams the talker would not keep on time (engine_busy), as a production gateway does",
+    )
     parser.add_argument("--levels", default="1,16,64", help="session counts, comma-separated")
     parser.add_argument("--fps", type=float, default=2.0)
     parser.add_argument("--query-every", type=float, default=6.0, help="seconds between a session's questions")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per level")
+    parser.add_argument(
+        "--drain", type=float, default=30.0, help="seconds a level waits for the answers still open at its end"
+    )
     parser.add_argument("--num-frames", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--encoder-frames", type=int, default=32)
@@ -201,6 +292,7 @@ def main() -> None:
             omni_options={**placement, "max_sessions": str(top)},
             max_sessions=2 * top,
             idle_timeout_s=120.0,
+            admission=args.admission,
         )
     frames = camera_frames(24)
     report: dict[str, Any] = {
@@ -208,6 +300,7 @@ def main() -> None:
         "speech_engine": f"{settings.engine} {settings.model or ''}".strip(),
         "engine_options": settings.engine_options,
         "omni_options": settings.omni_options,
+        "admission": settings.admission,
         "fps": args.fps,
         "query_every_s": args.query_every,
         "duration_s_per_level": args.duration,
@@ -221,8 +314,15 @@ def main() -> None:
         engine = server.app.state.omni_engine
         report["tokens_per_frame"] = engine.info.tokens_per_frame
         for sessions in levels:
+            tokens, steps, started = engine.tokens_total, engine.steps, time.perf_counter()
             result = asyncio.run(level(server.ws_url, sessions, frames, args))
-            result["omni_steps"] = engine.steps
+            wall = time.perf_counter() - started
+            # The thinker decodes one answer's token per forward, serially across sessions: its token rate is
+            # what every answering session shares.
+            result["omni_steps"] = engine.steps - steps
+            result["omni_tokens"] = engine.tokens_total - tokens
+            result["omni_tokens_per_s"] = round(result["omni_tokens"] / wall, 1)
+            result["level_wall_s"] = round(wall, 1)
             print(json.dumps(result), flush=True)
             report["levels"].append(result)
         report["encoder"] = encoder_cost(engine, args.encoder_frames)

@@ -211,6 +211,7 @@ class _Query:
     speaks: bool
     text_done: bool = False
     speech_started: bool = False  # an utterance exists in the speech stream for it
+    speech_ended: bool = False  # its utterance ended (refused or failed) while the text still streams
     answer: list[str] = field(default_factory=list)
 
 
@@ -424,6 +425,9 @@ class VideoChatSession:
             if owner in self._failed:
                 self._failed.discard(owner)
                 status = "error"
+            if self._query is not None and self._query.id == owner:
+                # The rest of its text must not open another utterance (each would be refused or fail again).
+                self._query.speech_ended = True
             actions: list[Action] = [Emit(ResponseAudioDone(owner, status))]
             actions.extend(self._maybe_close())
             return actions
@@ -460,6 +464,8 @@ class VideoChatSession:
     # ---- internals -----------------------------------------------------------------------------------------------
 
     def _speak(self, query: _Query, text: str) -> list[Action]:
+        if query.speech_ended:
+            return []
         if not query.speech_started:
             query.speech_started = True
             self._speaking[self._utterances] = query.id
@@ -471,7 +477,7 @@ class VideoChatSession:
         self._query = None
         self._remember(query)
         actions: list[Action] = [Emit(ResponseTextDone(query.id, "".join(query.answer), status))]
-        if query.speaks:
+        if query.speaks and not query.speech_ended:
             if speak and status != "cancelled" and status != "error":
                 if not query.speech_started:  # an empty answer: the utterance still ends, silent
                     self._speaking[self._utterances] = query.id

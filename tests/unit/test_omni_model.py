@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from omnigate.engines.base import EngineError
 from omnigate.engines.omni.engine import OmniEngine
 from omnigate.engines.omni.model import OmniModelError, build_preset, load_omni_model
 from omnigate.engines.omni.request import EncoderCache, FrameInput, TextDelta, ThinkDone, ThinkOutput, ThinkRequest
@@ -63,3 +64,14 @@ async def test_answers_stream_and_cancel_ends_with_one_done() -> None:
         assert len(dones) == 1 and dones[0].reason == "cancelled"
     finally:
         await asyncio.to_thread(engine.stop)
+
+
+async def test_a_cancelled_query_frees_its_slot_for_the_next_at_once() -> None:
+    engine = OmniEngine(build_preset("tiny"), max_sessions=1)  # not started: the jobs stay queued, as submitted
+    request = ThinkRequest("ctx ", "what?")
+    first = engine.submit(request, lambda outputs: None)
+    with pytest.raises(EngineError) as refused:
+        engine.submit(request, lambda outputs: None)
+    assert refused.value.code == "engine_busy"
+    first.cancel()  # a new question cancels the one in flight before the worker has dropped it
+    engine.submit(request, lambda outputs: None)

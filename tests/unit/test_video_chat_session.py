@@ -231,3 +231,18 @@ def test_an_answer_that_fails_mid_speech_ends_its_audio_as_an_error() -> None:
     assert any(isinstance(a, CancelSpeech) for a in actions)
     assert ChatError("generation_failed", "boom") in events(actions)
     assert events(s.on_speech(UtteranceDone(0, 0, 1, "cancelled"))) == [ResponseAudioDone(think.query, "error")]
+
+
+def test_speech_refused_mid_answer_ends_the_audio_once_and_the_text_goes_on() -> None:
+    s = session()
+    think = start(s)
+    s.on_think(think.query, [TextDelta("Hello. ")])
+    refused = s.on_speech(UtteranceDone(0, 0, 0, "error", "no free engine slot"))
+    assert events(refused) == [ResponseAudioDone(think.query, "error")]
+    actions = s.on_think(think.query, [TextDelta("World. "), TextDelta("Again.")])
+    assert [type(e) for e in events(actions)] == [ResponseTextDelta, ResponseTextDelta]
+    assert not any(isinstance(a, SpeakText) for a in actions)  # no new utterance to be refused again
+    actions = s.on_think(think.query, [ThinkDone("completed", "Hello. World. Again.", 4)])
+    assert events(actions) == [ResponseTextDone(think.query, "Hello. World. Again.", "completed")]
+    assert not any(isinstance(a, FinishSpeech | CancelSpeech) for a in actions)
+    assert not s.answering

@@ -124,7 +124,10 @@ class OmniEngine:
         with self._lock:
             if self._stopping:
                 raise EngineError("shutting_down", "the server is shutting down")
-            if len(self._pending) + len(self._running) >= self.info.max_sessions:
+            # A cancelled job holds no slot: the worker drops it at its next step, and the query replacing it
+            # (a new question cancels the one in flight) must not be refused for it.
+            answering = sum(not j.cancelled for j in self._pending) + sum(not j.cancelled for j in self._running)
+            if answering >= self.info.max_sessions:
                 raise EngineError("engine_busy", "every omni engine slot is answering; retry shortly")
             self._pending.append(job)
             self._wake.notify()
