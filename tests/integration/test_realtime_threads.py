@@ -24,11 +24,14 @@ from aiortc.mediastreams import AudioStreamTrack
 from websockets.asyncio.client import connect
 
 from omnigate.gateway.settings import Settings
+from omnigate.gateway.video_chat.call import CALLS_PATH as VIDEO_CHAT_CALLS
+from omnigate.gateway.video_chat.call import CHANNEL as VIDEO_CHAT_CHANNEL
 from omnigate.gateway.webrtc.call import REALTIME_CHANNEL, SPEECH_CHANNEL
 from omnigate.loadtest.targets.webrtc import CALLS_PATH, SpeechPeer, is_silent, use_loopback_candidates
 from omnigate.os_threads import os_thread_name
 from tests.integration.test_realtime_ws import user_speech  # noqa: F401 - the fixture
 from tests.integration.test_webrtc import LOOPBACK, on_server
+from tests.integration.test_webrtc_video_chat import Camera
 from tests.serving import RunningServer, serve
 
 pytestmark = pytest.mark.integration
@@ -70,6 +73,12 @@ def rtc_duplex_server() -> Iterator[RunningServer]:
         webrtc_host_addresses=LOOPBACK,
     )
     with serve(settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def rtc_video_chat_server() -> Iterator[RunningServer]:
+    with serve(Settings(engine="synthetic", omni_model="preset:tiny", webrtc_host_addresses=LOOPBACK)) as server:
         yield server
 
 
@@ -131,13 +140,19 @@ async def one_call(server: RunningServer, channel: str, all_heard: asyncio.Barri
             heard.set()
 
     peer = SpeechPeer(on_event, on_audio, AudioStreamTrack(), channel)  # aiortc's paced silence: the microphone
+    if channel == VIDEO_CHAT_CHANNEL:
+        peer.pc.addTrack(Camera())
     try:
         async with httpx.AsyncClient(trust_env=False) as client:
-            await asyncio.wait_for(peer.connect(client, server.http_url + CALLS_PATH), READ_LIMIT_S)
+            path = VIDEO_CHAT_CALLS if channel == VIDEO_CHAT_CHANNEL else CALLS_PATH
+            await asyncio.wait_for(peer.connect(client, server.http_url + path), READ_LIMIT_S)
         if channel == SPEECH_CHANNEL:
             peer.send_json({"type": "session.config"})
             peer.send_json({"type": "input.text", "text": "A reply to hear."})
             peer.send_json({"type": "input.done"})
+        elif channel == VIDEO_CHAT_CHANNEL:
+            peer.send_json({"type": "session.config", "num_frames": 2, "max_new_tokens": 8})
+            peer.send_json({"type": "video.query", "text": "What is moving?"})
         # The duplex model speaks on its own clock; nothing to ask.
         await asyncio.wait_for(heard.wait(), READ_LIMIT_S)
         await asyncio.wait_for(all_heard.wait(), READ_LIMIT_S)
@@ -164,7 +179,12 @@ async def serve_calls(server: RunningServer, channel: str, count: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("engine", "channel"), [("rtc_duplex_server", REALTIME_CHANNEL), ("rtc_tts_server", SPEECH_CHANNEL)]
+    ("engine", "channel"),
+    [
+        ("rtc_duplex_server", REALTIME_CHANNEL),
+        ("rtc_tts_server", SPEECH_CHANNEL),
+        ("rtc_video_chat_server", VIDEO_CHAT_CHANNEL),
+    ],
 )
 async def test_webrtc_calls_leave_no_thread_behind(engine: str, channel: str, request: pytest.FixtureRequest) -> None:
     server: RunningServer = request.getfixturevalue(engine)
