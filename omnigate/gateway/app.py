@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
 
+from omnigate.codecs.ffmpeg_threads import ffmpeg_on_calling_threads
 from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import Engine
 from omnigate.engines.pool import EnginePool
@@ -55,6 +56,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Codecs and resamplers run on the server's own pools, not on a pool per encoder that FFmpeg would start.
+        ffmpeg_on_calling_threads()
         # asyncio.to_thread work (encoders, loading) runs on the loop's default pool: named, as large as asyncio's.
         asyncio.get_running_loop().set_default_executor(
             named_executor(min(32, (os.cpu_count() or 1) + 4), "omnigate-io")

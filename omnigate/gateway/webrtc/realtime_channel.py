@@ -120,6 +120,8 @@ class RealtimeChannel:
             for task in (writer, gone):
                 task.cancel()
             await asyncio.gather(writer, gone, return_exceptions=True)
+            # The call and its channel refer to each other: drop the encoder now, not at the cycle's collection.
+            self._stream = None
         if not writer.cancelled():
             writer.result()  # the writer's own failure, if any
 
