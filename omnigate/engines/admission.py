@@ -17,13 +17,16 @@ streams, in the headroom that :meth:`headroom` reports and in every admission ch
 yet ahead count too: when admission reopens (closed-loop clients retry together) only as many new streams are
 admitted as the spare time carries at their burst, not as many as would fit once they run steady.
 
-Two more rules keep admitted streams on time:
+Three more rules keep admitted streams on time:
 
 * Before anything is measured (no audio produced yet, and no estimate from the engine's load: :meth:`seed`) the
   slots admit; the first steps measure the cost, and the rule below guards the start.
 * A stream picked later than its deadline by more than ``late_tolerance_s``, after it had been waiting for a worker,
   closes admission for ``late_hold_s``: the estimate was wrong (cores taken by others, longer texts), and the streams
   already admitted come first.
+* The measured slack: while a stream that had got ahead of its playback waits for a worker less than
+  ``min_slack_s`` before its deadline, nothing new is admitted (the pool passes that slack in): the workers are
+  falling behind, whatever the estimate says, and a new stream would be served before it.
 
 A stream that completes keeps its share for ``grace_s``: a session usually speaks again soon, and its next
 utterance is admitted within the grace even while admission is closed, as long as the young streams' bursts still
@@ -67,6 +70,9 @@ class AdmissionSettings(msgspec.Struct, frozen=True):
     """A stream is young until its audio runs this far ahead of its playback (or its credit's limit, if smaller)."""
     young_max_s: float = 3.0
     """A stream counts as young at most this long after it opened (one that waits for its text costs nothing)."""
+    min_slack_s: float = 0.25
+    """A stream that got ahead and now waits for a worker this close to its deadline keeps new streams out: the
+    workers are behind before anyone is late (other processes took the cores, or the estimate is low)."""
 
     def __post_init__(self) -> None:
         if self.policy not in ADMISSION_POLICIES:
@@ -75,7 +81,7 @@ class AdmissionSettings(msgspec.Struct, frozen=True):
             raise ValueError("target_load must be within (0, 1]")
         if self.cost_halflife_s <= 0 or self.grace_s < 0 or self.late_tolerance_s < 0 or self.late_hold_s < 0:
             raise ValueError("admission times must be positive (grace, tolerance and hold may be 0)")
-        if self.young_cost_factor < 1.0 or self.young_lead_s < 0 or self.young_max_s < 0:
+        if self.young_cost_factor < 1.0 or self.young_lead_s < 0 or self.young_max_s < 0 or self.min_slack_s < 0:
             raise ValueError("young_cost_factor must be >= 1 and the young stream's times >= 0")
 
 
@@ -188,21 +194,22 @@ class AdmissionController:
         batch = min(self.max_batch, max(1, math.ceil(streams / self.workers)))
         return slope * streams + fixed * streams / (batch * audio_per_stream_step)
 
-    def headroom(self, now: float) -> int:
-        """How many more streams the workers would carry now, beyond the active ones."""
+    def headroom(self, now: float, slack_s: float | None = None) -> int:
+        """How many more streams the workers would carry now, beyond the active ones. ``slack_s``: how far ahead of
+        its deadline runs the most pressed stream that got ahead of its playback and now waits for a worker."""
         self._expire(now)
         carried = self.active
         if self.settings.policy == "slots":
             return max(0, self.max_streams - self.active)
-        if now < self._closed_until:
+        if now < self._closed_until or (slack_s is not None and slack_s < self.settings.min_slack_s):
             return 1 if carried == 0 else 0  # an idle pool always takes one stream (see _fits)
         extra = 0
         while carried + extra < self.max_streams and self._fits(carried, extra, self.settings.target_load):
             extra += 1
         return extra
 
-    def admits(self, now: float) -> bool:
-        """Whether one more stream may open now; counts a refusal when not."""
+    def admits(self, now: float, slack_s: float | None = None) -> bool:
+        """Whether one more stream may open now (``slack_s`` as for :meth:`headroom`); counts a refusal when not."""
         self._expire(now)
         if self.settings.policy == "slots":
             ok = self.active < self.max_streams
@@ -211,7 +218,7 @@ class AdmissionController:
             # it may use the margin, not more: the young streams' bursts must still fit the workers.
             ok = self.active < self.max_streams and self._fits(self.active, 0, 1.0)
         else:
-            ok = self.headroom(now) > 0
+            ok = self.headroom(now, slack_s) > 0
         if not ok:
             self.refused_total += 1
         return ok

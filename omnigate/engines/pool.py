@@ -218,7 +218,9 @@ class EnginePool:
     def free_slots(self) -> int:
         """Streams the pool would admit now: free slots, or with headroom admission the streams that still fit."""
         with self._cond:
-            return min(max(0, self.info.max_sessions - len(self._streams)), self.admission.headroom(time.monotonic()))
+            now = time.monotonic()
+            free = max(0, self.info.max_sessions - len(self._streams))
+            return min(free, self.admission.headroom(now, self._slack_locked(now)))
 
     @property
     def queue_depth(self) -> int:
@@ -238,7 +240,7 @@ class EnginePool:
                 self.engine.close(stream)
                 raise EngineError("engine_unavailable", "the engine is not responding; retry shortly")
             now = time.monotonic()
-            if len(self._streams) >= self.info.max_sessions or not self.admission.admits(now):
+            if len(self._streams) >= self.info.max_sessions or not self.admission.admits(now, self._slack_locked(now)):
                 self.engine.close(stream)
                 raise PoolFull(self.admission.retry_after_s(now, self._retry_after_s))
             ps = PoolStream(
@@ -320,6 +322,22 @@ class EnginePool:
         completed = ps.finished and not ps.faulted and not ps.aborted
         self.admission.closed(time.monotonic(), keep_share=completed, ticket=ps.young_ticket)
         ps.young_ticket = None
+
+    def _slack_locked(self, now: float) -> float | None:
+        """How far ahead of its deadline runs the most pressed stream that had got ahead and now waits for a worker."""
+        if self.admission.settings.policy != "headroom":
+            return None
+        slack: float | None = None
+        for ps in self._streams.values():
+            if ps.young_ticket is not None or ps.first_chunk_at is None:
+                continue
+            try:
+                waiting = ps.runnable()
+            except Exception:  # the engine's has_work raised: the next pick fails that stream
+                continue
+            if waiting and (slack is None or ps.deadline() - now < slack):
+                slack = ps.deadline() - now
+        return slack
 
     def _pick_locked(self) -> list[PoolStream]:
         return self._runnable_locked()[: self.info.max_batch]

@@ -207,6 +207,7 @@ def test_slots_policy_counts_slots_only() -> None:
         {"grace_s": -1.0},
         {"young_cost_factor": 0.5},
         {"young_lead_s": -1.0},
+        {"min_slack_s": -1.0},
     ],
 )
 def test_bad_settings_are_refused(settings: dict[str, object]) -> None:
@@ -282,3 +283,15 @@ def test_the_credit_limits_how_far_ahead_a_stream_must_run() -> None:
     assert admission.ahead_lead_s(2000.0) == pytest.approx(1.0)  # young_lead_s
     assert admission.ahead_lead_s(500.0) == pytest.approx(0.4)  # a WebRTC outbox
     assert admission.ahead_lead_s(0.0) == pytest.approx(1.0)
+
+
+def test_a_served_stream_running_out_of_slack_keeps_new_streams_out() -> None:
+    admission = steady_pool(10)  # the estimate says three young streams more fit (10 + 3 * 3 <= 20)
+    assert admission.headroom(1.0, slack_s=0.8) == 3
+    # A stream that was ahead waits for a worker 0.1 s before it runs dry: the workers are behind, whatever the cost
+    # estimate says, and a new stream would be served before it.
+    assert admission.headroom(1.0, slack_s=0.1) == 0
+    assert not admission.admits(1.0, slack_s=0.1)
+    assert admission.admits(1.0, slack_s=None)  # nobody waits for a worker
+    idle = AdmissionController(2, max_streams=8)
+    assert idle.admits(0.0, slack_s=-1.0)  # an idle pool takes one stream all the same
