@@ -24,7 +24,7 @@ Three more rules keep admitted streams on time:
 * A stream picked later than its deadline by more than ``late_tolerance_s``, after it had been waiting for a worker,
   closes admission for ``late_hold_s``: the estimate was wrong (cores taken by others, longer texts), and the streams
   already admitted come first.
-* The measured slack: while a stream that had got ahead of its playback waits for a worker less than
+* The measured slack: while a stream that had got ahead of its playback has waited for a worker and runs less than
   ``min_slack_s`` before its deadline, nothing new is admitted (the pool passes that slack in): the workers are
   falling behind, whatever the estimate says, and a new stream would be served before it.
 

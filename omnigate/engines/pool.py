@@ -324,12 +324,15 @@ class EnginePool:
         ps.young_ticket = None
 
     def _slack_locked(self, now: float) -> float | None:
-        """How far ahead of its deadline runs the most pressed stream that had got ahead and now waits for a worker."""
+        """How far ahead of its deadline runs the most pressed stream that had got ahead and has waited for a worker
+        for half the admission's slack floor (a stream that just became runnable with little lead is its text
+        source's or its consumer's doing, not the workers')."""
         if self.admission.settings.policy != "headroom":
             return None
+        waited_s = self.admission.settings.min_slack_s / 2
         slack: float | None = None
         for ps in self._streams.values():
-            if ps.young_ticket is not None or ps.first_chunk_at is None:
+            if ps.young_ticket is not None or ps.first_chunk_at is None or now - ps.waiting_since < waited_s:
                 continue
             try:
                 waiting = ps.runnable()
