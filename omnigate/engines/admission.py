@@ -10,18 +10,29 @@ its batch) follows the worker time per second that N streams need; ``workers * t
 stream is admitted when one more still fits. The statistics decay exponentially, so they follow the machine (steps
 slow down when other processes take the cores) and keep their last values while the pool is idle.
 
-Two more rules keep admitted streams on time:
+A young stream costs more than its steady share: its first unit is due within the TTFA target and its next ones
+must get ahead of its playback, so it needs several seconds of audio per second until it runs ``young_lead_s`` ahead
+of its deadline. Until then (at most ``young_max_s`` after it opened) it is priced at ``young_cost_factor`` steady
+streams, in the headroom that :meth:`headroom` reports and in every admission check, so the streams admitted but not
+yet ahead count too: when admission reopens (closed-loop clients retry together) only as many new streams are
+admitted as the spare time carries at their burst, not as many as would fit once they run steady.
+
+Three more rules keep admitted streams on time:
 
 * Before anything is measured (no audio produced yet, and no estimate from the engine's load: :meth:`seed`) the
   slots admit; the first steps measure the cost, and the rule below guards the start.
 * A stream picked later than its deadline by more than ``late_tolerance_s``, after it had been waiting for a worker,
   closes admission for ``late_hold_s``: the estimate was wrong (cores taken by others, longer texts), and the streams
   already admitted come first.
+* The measured slack: while a stream that had got ahead of its playback has waited for a worker and runs less than
+  ``min_slack_s`` before its deadline, nothing new is admitted (the pool passes that slack in): the workers are
+  falling behind, whatever the estimate says, and a new stream would be served before it.
 
 A stream that completes keeps its share for ``grace_s``: a session usually speaks again soon, and its next
-utterance is admitted within the grace even while admission is closed. The pool does not know sessions, so the
-next stream to open takes such a share, whoever's it is; within the grace the pool never carries more than it
-admitted. :meth:`headroom` does not count held shares as taken, so they never keep a new session out for long.
+utterance is admitted within the grace even while admission is closed, as long as the young streams' bursts still
+fit the whole of the workers' time (the ``target_load`` margin is what a held share may use). The pool does not know
+sessions, so the next stream to open takes such a share, whoever's it is. :meth:`headroom` does not count held shares
+as taken, so they never keep a new session out for long.
 
 Policy ``slots`` admits by the slot count alone (the behaviour without headroom): every rule above is off.
 """
@@ -52,6 +63,16 @@ class AdmissionSettings(msgspec.Struct, frozen=True):
     """Lateness of a waiting stream beyond this closes admission."""
     late_hold_s: float = 2.0
     """How long admission stays closed after a late stream."""
+    young_cost_factor: float = 3.0
+    """A young stream is priced at this many steady streams: its first unit at once and the next ahead of playback
+    (piper: a one-second first unit within the 0.25 s TTFA target, then two seconds of audio in its first second)."""
+    young_lead_s: float = 1.0
+    """A stream is young until its audio runs this far ahead of its playback (or its credit's limit, if smaller)."""
+    young_max_s: float = 3.0
+    """A stream counts as young at most this long after it opened (one that waits for its text costs nothing)."""
+    min_slack_s: float = 0.25
+    """A stream that got ahead and now waits for a worker this close to its deadline keeps new streams out: the
+    workers are behind before anyone is late (other processes took the cores, or the estimate is low)."""
 
     def __post_init__(self) -> None:
         if self.policy not in ADMISSION_POLICIES:
@@ -60,6 +81,8 @@ class AdmissionSettings(msgspec.Struct, frozen=True):
             raise ValueError("target_load must be within (0, 1]")
         if self.cost_halflife_s <= 0 or self.grace_s < 0 or self.late_tolerance_s < 0 or self.late_hold_s < 0:
             raise ValueError("admission times must be positive (grace, tolerance and hold may be 0)")
+        if self.young_cost_factor < 1.0 or self.young_lead_s < 0 or self.young_max_s < 0 or self.min_slack_s < 0:
+            raise ValueError("young_cost_factor must be >= 1 and the young stream's times >= 0")
 
 
 class AdmissionController:
@@ -76,6 +99,9 @@ class AdmissionController:
         self.max_batch = max_batch
         self.active = 0
         self._reservations: deque[float] = deque()  # expiry times of completed streams' shares, ascending
+        # streams admitted but not yet ahead of their playback: ticket -> when they opened (ascending)
+        self._young: dict[int, float] = {}
+        self._tickets = 0
         # decayed sums over steps: count, worker seconds d, audio seconds a, streams b, a*a, a*d
         self._n = 0.0
         self._d = 0.0
@@ -106,16 +132,35 @@ class AdmissionController:
             self.late_total += 1
             self._closed_until = max(self._closed_until, now + self.settings.late_hold_s)
 
-    def opened(self, now: float) -> None:
-        """A stream was admitted (after :meth:`admits` said yes)."""
+    def opened(self, now: float) -> int:
+        """A stream was admitted (after :meth:`admits` said yes); returns its ticket, young until :meth:`ahead`."""
         self._expire(now)
         if self._reservations:
             self._reservations.popleft()
         self.active += 1
+        self._tickets += 1
+        self._young[self._tickets] = now
+        return self._tickets
 
-    def closed(self, now: float, *, keep_share: bool) -> None:
+    def ahead(self, ticket: int) -> None:
+        """The stream runs ahead of its playback now (see :meth:`ahead_lead_s`): its steady share is all it needs."""
+        self._young.pop(ticket, None)
+
+    def ahead_lead_s(self, credit_ms: float) -> float:
+        """How far ahead of its deadline a stream with ``credit_ms`` of credit must run to stop being young."""
+        limit_s = 0.8 * credit_ms / 1000.0  # a stream cannot run further ahead than its consumer has room for
+        return min(self.settings.young_lead_s, limit_s) if limit_s > 0 else self.settings.young_lead_s
+
+    @property
+    def young(self) -> int:
+        """Streams admitted but not yet ahead of their playback."""
+        return len(self._young)
+
+    def closed(self, now: float, *, keep_share: bool, ticket: int | None = None) -> None:
         """A stream ended; with ``keep_share`` (it completed) its share is held for the grace time."""
         self.active = max(0, self.active - 1)
+        if ticket is not None:
+            self._young.pop(ticket, None)
         if keep_share and self.settings.policy == "headroom" and self.settings.grace_s > 0:
             self._expire(now)
             self._reservations.append(now + self.settings.grace_s)
@@ -128,7 +173,7 @@ class AdmissionController:
         load = self.load(max(1, self.active))
         return None if load is None else load / max(1, self.active)
 
-    def load(self, streams: int) -> float | None:
+    def load(self, streams: float) -> float | None:
         """Worker seconds per second that ``streams`` realtime streams need, at the recent cost; None if unknown.
 
         A one-stream-per-step engine costs in proportion to the audio it makes (the ratio of worker time to audio).
@@ -146,30 +191,34 @@ class AdmissionController:
             slope = max(0.0, (self._ad / self._n - mean_a * mean_d) / var_a)
         fixed = max(0.0, mean_d - slope * mean_a)
         audio_per_stream_step = self._a / self._b
-        batch = min(self.max_batch, -(-streams // self.workers))
+        batch = min(self.max_batch, max(1, math.ceil(streams / self.workers)))
         return slope * streams + fixed * streams / (batch * audio_per_stream_step)
 
-    def headroom(self, now: float) -> int:
-        """How many more streams the workers would carry now, beyond the active ones."""
+    def headroom(self, now: float, slack_s: float | None = None) -> int:
+        """How many more streams the workers would carry now, beyond the active ones. ``slack_s``: how far ahead of
+        its deadline runs the most pressed stream that got ahead of its playback and now waits for a worker."""
         self._expire(now)
         carried = self.active
         if self.settings.policy == "slots":
             return max(0, self.max_streams - self.active)
-        if now < self._closed_until:
+        if now < self._closed_until or (slack_s is not None and slack_s < self.settings.min_slack_s):
             return 1 if carried == 0 else 0  # an idle pool always takes one stream (see _fits)
         extra = 0
-        while carried + extra < self.max_streams and self._fits(carried + extra):
+        while carried + extra < self.max_streams and self._fits(carried, extra, self.settings.target_load):
             extra += 1
         return extra
 
-    def admits(self, now: float) -> bool:
-        """Whether one more stream may open now; counts a refusal when not."""
+    def admits(self, now: float, slack_s: float | None = None) -> bool:
+        """Whether one more stream may open now (``slack_s`` as for :meth:`headroom`); counts a refusal when not."""
         self._expire(now)
-        if self.settings.policy == "slots" or self._reservations:
-            # A reserved share is this stream's (or a newcomer's within the grace): the pool carried it already.
+        if self.settings.policy == "slots":
             ok = self.active < self.max_streams
+        elif self._reservations:
+            # A reserved share is this stream's (or a newcomer's within the grace): the pool carried it already, and
+            # it may use the margin, not more: the young streams' bursts must still fit the workers.
+            ok = self.active < self.max_streams and self._fits(self.active, 0, 1.0)
         else:
-            ok = self.headroom(now) > 0
+            ok = self.headroom(now, slack_s) > 0
         if not ok:
             self.refused_total += 1
         return ok
@@ -182,18 +231,23 @@ class AdmissionController:
 
     # ---- internals ---------------------------------------------------------------------------------------------
 
-    def _fits(self, carried: int) -> bool:
-        """Whether one stream more than ``carried`` keeps every stream on time."""
-        if carried == 0:
+    def _fits(self, carried: int, extra: int, target_load: float) -> bool:
+        """Whether one more young stream, beyond ``carried`` and ``extra`` new (young) ones, keeps every stream on
+        time within ``target_load`` of the workers."""
+        if carried + extra == 0:
             return True  # an idle pool takes one stream, whatever it costs: refusing it would help nobody
-        after = self.load(carried + 1)
-        if after is None:
+        streams = carried + extra
+        young = min(carried, len(self._young)) + extra
+        factor = self.settings.young_cost_factor
+        priced = self.load(streams + (factor - 1.0) * young + factor)  # steady shares, the young at their burst
+        if priced is None:
             return True  # nothing measured yet: the first steps measure it, and a late stream closes admission
-        if after <= self.workers * self.settings.target_load + 1e-9:
+        if priced <= self.workers * target_load + 1e-9:
             return True
-        # A batch slot that adds no measurable work (a fixed-cost step) is free while the workers keep up.
-        before = self.load(carried)
-        assert before is not None
+        # A batch slot that adds no measurable work (a fixed-cost step, where a young stream is one more row like
+        # any other) is free while the workers keep up.
+        before, after = self.load(streams), self.load(streams + 1)
+        assert before is not None and after is not None
         return after - before <= 0.01 * self.workers and after <= self.workers
 
     def _add(self, d: float, a: float, b: int) -> None:
@@ -219,3 +273,8 @@ class AdmissionController:
     def _expire(self, now: float) -> None:
         while self._reservations and self._reservations[0] <= now:
             self._reservations.popleft()
+        while self._young:
+            ticket, opened_at = next(iter(self._young.items()))
+            if opened_at + self.settings.young_max_s > now:
+                break
+            del self._young[ticket]

@@ -13,10 +13,11 @@ chunk, ``first_chunk + produced`` after it. Each step serves the earliest deadli
 under contention the engine generates just in time and with spare capacity everyone runs flat out.
 
 Admission: a stream is admitted while the pool has headroom (:mod:`omnigate.engines.admission`): its recent worker
-time per second of audio, times the streams it carries plus one, must fit its workers, and no stream may have
-waited past its deadline lately. Past that, :meth:`EnginePool.open` raises :class:`PoolFull` with a retry hint and
-:attr:`EnginePool.free_slots` is 0, so new sessions go elsewhere and the admitted ones keep their deadlines. The
-``slots`` policy admits up to the slot count alone.
+time per second of audio, times the streams it carries plus one (a young stream, not yet ahead of its playback,
+priced at its burst), must fit its workers, and no stream may have waited past its deadline lately. Past that,
+:meth:`EnginePool.open` raises :class:`PoolFull` with a retry hint and :attr:`EnginePool.free_slots` is 0, so new
+sessions go elsewhere and the admitted ones keep their deadlines. The ``slots`` policy admits up to the slot count
+alone.
 
 Faults: workers are supervised. A step that raises fails the streams of its batch with a typed ``StreamDone``; a
 worker that dies (anything escaping the step or its bookkeeping) fails its in-flight batch the same way and restarts
@@ -98,6 +99,9 @@ class PoolStream:
     released: bool = False
     # failed by the supervisor while the engine still held it: whatever that step returns is dropped
     faulted: bool = False
+    # admission's ticket while the stream is young (not yet ``ahead_lead_s`` ahead of its playback), else None
+    young_ticket: int | None = None
+    ahead_lead_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
     def deadline(self) -> float:
@@ -214,7 +218,9 @@ class EnginePool:
     def free_slots(self) -> int:
         """Streams the pool would admit now: free slots, or with headroom admission the streams that still fit."""
         with self._cond:
-            return min(max(0, self.info.max_sessions - len(self._streams)), self.admission.headroom(time.monotonic()))
+            now = time.monotonic()
+            free = max(0, self.info.max_sessions - len(self._streams))
+            return min(free, self.admission.headroom(now, self._slack_locked(now)))
 
     @property
     def queue_depth(self) -> int:
@@ -234,7 +240,7 @@ class EnginePool:
                 self.engine.close(stream)
                 raise EngineError("engine_unavailable", "the engine is not responding; retry shortly")
             now = time.monotonic()
-            if len(self._streams) >= self.info.max_sessions or not self.admission.admits(now):
+            if len(self._streams) >= self.info.max_sessions or not self.admission.admits(now, self._slack_locked(now)):
                 self.engine.close(stream)
                 raise PoolFull(self.admission.retry_after_s(now, self._retry_after_s))
             ps = PoolStream(
@@ -249,7 +255,8 @@ class EnginePool:
                 waiting_since=now,
             )
             self._streams[ps.id] = ps
-            self.admission.opened(now)
+            ps.young_ticket = self.admission.opened(now)
+            ps.ahead_lead_s = self.admission.ahead_lead_s(initial_credit_ms)
             self._cond.notify()
             return ps
 
@@ -313,7 +320,27 @@ class EnginePool:
         # An aborted stream frees its share at once (its client left or cancelled); a completed one keeps it for its
         # session's next utterance.
         completed = ps.finished and not ps.faulted and not ps.aborted
-        self.admission.closed(time.monotonic(), keep_share=completed)
+        self.admission.closed(time.monotonic(), keep_share=completed, ticket=ps.young_ticket)
+        ps.young_ticket = None
+
+    def _slack_locked(self, now: float) -> float | None:
+        """How far ahead of its deadline runs the most pressed stream that had got ahead and has waited for a worker
+        for half the admission's slack floor (a stream that just became runnable with little lead is its text
+        source's or its consumer's doing, not the workers')."""
+        if self.admission.settings.policy != "headroom":
+            return None
+        waited_s = self.admission.settings.min_slack_s / 2
+        slack: float | None = None
+        for ps in self._streams.values():
+            if ps.young_ticket is not None or ps.first_chunk_at is None or now - ps.waiting_since < waited_s:
+                continue
+            try:
+                waiting = ps.runnable()
+            except Exception:  # the engine's has_work raised: the next pick fails that stream
+                continue
+            if waiting and (slack is None or ps.deadline() - now < slack):
+                slack = ps.deadline() - now
+        return slack
 
     def _pick_locked(self) -> list[PoolStream]:
         return self._runnable_locked()[: self.info.max_batch]
@@ -481,6 +508,14 @@ class EnginePool:
                         ps.finished = True
                         if item.reason == "error":
                             self.failed_total += 1
+                if (
+                    ps.young_ticket is not None
+                    and ps.first_chunk_at is not None
+                    and ps.deadline() - now >= ps.ahead_lead_s
+                ):
+                    # Ahead of its playback: from now on it needs its steady share only.
+                    self.admission.ahead(ps.young_ticket)
+                    ps.young_ticket = None
                 if ps.finished:
                     self._close_locked(ps)
                 if out:

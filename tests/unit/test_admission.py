@@ -30,19 +30,20 @@ class SimulatedPool:
         self.underruns = 0
         self.refused = 0
         self._ids = 0
+        self.tickets: dict[int, int] = {}
 
     def offer(self) -> int | None:
         if not self.admission.admits(self.now):
             self.refused += 1
             return None
-        self.admission.opened(self.now)
         self._ids += 1
         self.deadlines[self._ids] = self.now + 0.25  # the TTFA target
+        self.tickets[self._ids] = self.admission.opened(self.now)
         return self._ids
 
     def close(self, stream: int) -> None:
         del self.deadlines[stream]
-        self.admission.closed(self.now, keep_share=True)
+        self.admission.closed(self.now, keep_share=True, ticket=self.tickets.pop(stream))
 
     def run_until(self, end: float) -> None:
         """Workers pick the earliest deadline whenever they are free; a pick after the deadline is an underrun."""
@@ -64,6 +65,8 @@ class SimulatedPool:
             # the piece plays from its deadline (or now, when late): the next one is due when it has played
             self.deadlines[stream] = max(deadline, self.now + cost) + PIECE_S
             self.admission.observe_step(self.now + cost, cost, PIECE_S * 1000.0)
+            if self.deadlines[stream] - (self.now + cost) >= self.admission.settings.young_lead_s:
+                self.admission.ahead(self.tickets[stream])
 
 
 def test_twice_the_capacity_offered_admits_what_fits_and_nobody_underruns() -> None:
@@ -73,13 +76,19 @@ def test_twice_the_capacity_offered_admits_what_fits_and_nobody_underruns() -> N
     admission.seed(rtf)
     pool = SimulatedPool(admission, workers, rtf)
     capacity = math.floor(workers * 0.8 / rtf)  # 20 streams
-    for _ in range(2 * capacity):
-        pool.offer()
-        pool.run_until(pool.now + 0.05)
+    waiting = 2 * capacity  # clients that retry 0.5 s after a refusal, all at once
+    while waiting and pool.now < 30.0:
+        admitted = 0
+        for _ in range(waiting):
+            admitted += pool.offer() is not None
+        waiting -= admitted
+        pool.run_until(pool.now + 0.5)
     pool.run_until(pool.now + 30.0)
-    assert len(pool.deadlines) == capacity
-    assert pool.refused == capacity
+    # The streams run steady and leave room for one more young stream's burst (three steady shares), not more.
+    assert len(pool.deadlines) == capacity - 2
+    assert pool.refused >= capacity
     assert pool.underruns == 0
+    assert admission.young == 0
     assert admission.headroom(pool.now) == 0
 
 
@@ -96,7 +105,8 @@ def test_slots_policy_admits_past_the_workers_and_every_stream_underruns() -> No
 
 
 def test_cost_follows_the_machine_and_a_late_pick_closes_admission() -> None:
-    admission = AdmissionController(2, max_streams=64, settings=AdmissionSettings(target_load=1.0, late_hold_s=2.0))
+    settings = AdmissionSettings(target_load=1.0, late_hold_s=2.0, young_cost_factor=1.0)  # steady streams only
+    admission = AdmissionController(2, max_streams=64, settings=settings)
     for t in range(10):
         admission.observe_step(float(t), 0.1, 1000.0)  # rtf 0.1: 20 streams on two workers
     assert admission.cost == pytest.approx(0.1)
@@ -137,7 +147,7 @@ def test_an_idle_pool_takes_one_stream_whatever_it_costs() -> None:
 
 
 def test_a_completed_stream_keeps_its_share_for_the_grace_time() -> None:
-    settings = AdmissionSettings(target_load=1.0, grace_s=3.0, late_hold_s=5.0)
+    settings = AdmissionSettings(target_load=1.0, grace_s=3.0, late_hold_s=5.0, young_cost_factor=1.0)
     admission = AdmissionController(1, max_streams=64, settings=settings)
     admission.seed(0.5)  # two streams fit
     for _ in range(2):
@@ -157,10 +167,16 @@ def test_a_completed_stream_keeps_its_share_for_the_grace_time() -> None:
 
 def test_a_batched_engine_shares_its_fixed_step_cost() -> None:
     # A step costs 20 ms plus 1 ms per stream and produces 80 ms per stream: one worker carries (80 - 20) / 1 streams.
-    admission = AdmissionController(1, max_streams=1000, max_batch=512, settings=AdmissionSettings(target_load=1.0))
+    steady = AdmissionSettings(target_load=1.0, young_cost_factor=1.0)
+    admission = AdmissionController(1, max_streams=1000, max_batch=512, settings=steady)
     for t, batch in enumerate([1, 4, 16, 32, 8, 2] * 5):
         admission.observe_step(t * 0.1, 0.020 + 0.001 * batch, 80.0 * batch, batch)
     assert admission.headroom(3.0) == 60
+    # Young streams are priced at their burst: three rows each until they are ahead.
+    bursty = AdmissionController(1, max_streams=1000, max_batch=512, settings=AdmissionSettings(target_load=1.0))
+    for t, batch in enumerate([1, 4, 16, 32, 8, 2] * 5):
+        bursty.observe_step(t * 0.1, 0.020 + 0.001 * batch, 80.0 * batch, batch)
+    assert bursty.headroom(3.0) == 20
     # A step whose cost does not depend on the batch (a fixed-time test engine at real time) admits up to its batch.
     fixed = AdmissionController(1, max_streams=100, max_batch=64)
     for t in range(20):
@@ -189,8 +205,93 @@ def test_slots_policy_counts_slots_only() -> None:
         {"target_load": 1.5},
         {"cost_halflife_s": 0.0},
         {"grace_s": -1.0},
+        {"young_cost_factor": 0.5},
+        {"young_lead_s": -1.0},
+        {"min_slack_s": -1.0},
     ],
 )
 def test_bad_settings_are_refused(settings: dict[str, object]) -> None:
-    with pytest.raises(ValueError, match=r"admission|target_load|times"):
+    with pytest.raises(ValueError, match=r"admission|target_load|times|young"):
         AdmissionSettings(**settings)  # type: ignore[arg-type]
+
+
+def steady_pool(streams: int, *, workers: int = 2, rtf: float = 0.08) -> AdmissionController:
+    """A pool carrying ``streams`` streams that all run ahead of their playback (capacity 20 at the defaults)."""
+    admission = AdmissionController(workers, max_streams=64)
+    admission.seed(rtf)
+    for _ in range(streams):
+        admission.ahead(admission.opened(0.0))
+    return admission
+
+
+def test_a_reopening_admits_what_the_young_streams_bursts_fit_not_every_waiting_client() -> None:
+    # 14 streams run steady; 6 more would fit at their steady cost, but a new stream needs three times that until it
+    # is ahead of its playback: 14 + 3 + 3 = 20 streams' worth.
+    admission = steady_pool(14)
+    admission.observe_late(1.0, 0.3)  # closed for late_hold_s
+    assert admission.headroom(2.0) == 0
+    assert admission.headroom(3.5) == 2
+    tickets = []
+    for _ in range(6):  # six clients retry at the same instant
+        if admission.admits(3.5):
+            tickets.append(admission.opened(3.5))
+    assert len(tickets) == 2
+    assert admission.young == 2 and admission.headroom(3.5) == 0
+    # Once they run ahead, their steady shares leave room for one more young stream (16 + 3 <= 20).
+    for ticket in tickets:
+        admission.ahead(ticket)
+    assert admission.young == 0
+    assert admission.headroom(4.0) == 1
+
+
+def test_held_shares_admit_within_the_margin_not_past_the_workers() -> None:
+    # 20 streams (the target load) run steady; 6 complete and keep their shares for the grace time.
+    admission = steady_pool(20)
+    for _ in range(6):
+        admission.closed(1.0, keep_share=True)
+    admission.observe_late(1.0, 0.3)  # and admission is closed
+    admitted = sum(1 for _ in range(6) if admission.admits(1.5) and admission.opened(1.5))
+    # Within the workers' whole time (25 streams' worth): 14 steady + 3 young at 3 each = 23; a fourth would be 26.
+    assert admitted == 3
+    assert admission.active == 17
+
+
+def test_a_young_stream_that_never_gets_ahead_counts_for_young_max_s_only() -> None:
+    admission = steady_pool(14)
+    opened_at = 0.5
+    for _ in range(2):
+        assert admission.admits(opened_at)
+        admission.opened(opened_at)  # waiting for text: they never run ahead
+    assert not admission.admits(opened_at + 1.0)
+    later = opened_at + admission.settings.young_max_s
+    assert admission.young == 0 or admission.headroom(later) > 0
+    assert admission.headroom(later) == 1  # 16 steady + 3 for one more young stream
+    assert admission.young == 0
+
+
+def test_a_closed_young_stream_frees_its_burst() -> None:
+    admission = steady_pool(14)
+    ticket = admission.opened(0.0)
+    assert admission.headroom(0.0) == 1
+    admission.closed(0.5, keep_share=False, ticket=ticket)
+    assert admission.young == 0
+    assert admission.headroom(0.5) == 2
+
+
+def test_the_credit_limits_how_far_ahead_a_stream_must_run() -> None:
+    admission = AdmissionController(1, max_streams=8)
+    assert admission.ahead_lead_s(2000.0) == pytest.approx(1.0)  # young_lead_s
+    assert admission.ahead_lead_s(500.0) == pytest.approx(0.4)  # a WebRTC outbox
+    assert admission.ahead_lead_s(0.0) == pytest.approx(1.0)
+
+
+def test_a_served_stream_running_out_of_slack_keeps_new_streams_out() -> None:
+    admission = steady_pool(10)  # the estimate says three young streams more fit (10 + 3 * 3 <= 20)
+    assert admission.headroom(1.0, slack_s=0.8) == 3
+    # A stream that was ahead waits for a worker 0.1 s before it runs dry: the workers are behind, whatever the cost
+    # estimate says, and a new stream would be served before it.
+    assert admission.headroom(1.0, slack_s=0.1) == 0
+    assert not admission.admits(1.0, slack_s=0.1)
+    assert admission.admits(1.0, slack_s=None)  # nobody waits for a worker
+    idle = AdmissionController(2, max_streams=8)
+    assert idle.admits(0.0, slack_s=-1.0)  # an idle pool takes one stream all the same

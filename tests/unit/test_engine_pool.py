@@ -248,3 +248,23 @@ async def test_a_slow_first_chunk_alone_does_not_close_admission() -> None:
         assert await second.finished() == StreamDone(reason="completed")
     finally:
         await asyncio.to_thread(pool.stop)
+
+
+async def test_a_stream_is_young_until_its_audio_runs_ahead_of_its_playback() -> None:
+    engine = GatedEngine(SyntheticConfig(max_sessions=4, chunk_ms=500))
+    pool = EnginePool(engine, admission=AdmissionSettings(policy="headroom"))
+    pool.start()
+    try:
+        # 40 characters (2.4 s of audio) behind 1.5 s of credit: it parks 1.5 s ahead of its first chunk's playback.
+        ps, collector = submit(pool, ["abcdefghijklmnopqrstuvwxyzabcdefghijklmn"], credit_ms=1500.0)
+        assert await asyncio.to_thread(engine.entered.wait, TIMEOUT_S)
+        assert pool.admission.young == 1  # its first chunk is still being made: it is priced at its burst
+        engine.release.set()
+        await collector.audio_reaches(1500.0)
+        assert pool.active == 1 and not ps.runnable()
+        assert pool.admission.young == 0  # ahead of its playback by more than young_lead_s: its steady share only
+        pool.grant(ps, 5000.0)
+        assert await collector.finished() == StreamDone(reason="completed")
+        assert pool.admission.young == 0 and pool.admission.active == 0
+    finally:
+        await asyncio.to_thread(pool.stop)
