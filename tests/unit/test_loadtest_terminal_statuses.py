@@ -15,7 +15,7 @@ import pytest
 
 from omnigate.loadtest.report import TargetSpec
 from omnigate.loadtest.targets.base import SessionSettings
-from omnigate.loadtest.targets.realtime import RATE, RealtimeTarget, _Event, _Session, _Turn, output_format
+from omnigate.loadtest.targets.realtime import RATE, RealtimeEvent, RealtimeTarget, _Session, _Turn, output_format
 from omnigate.loadtest.targets.webrtc import _Receiving as WebRtcReceiving
 from omnigate.loadtest.targets.webrtc import answer_audio_codec
 from omnigate.loadtest.targets.ws_speech import WsSpeechTarget
@@ -108,9 +108,9 @@ class FakeConnection:
         self.sent.append(json.loads(message))
 
 
-def delta(response_id: str, ms: int) -> _Event:
+def delta(response_id: str, ms: int) -> RealtimeEvent:
     audio = base64.b64encode(bytes(RATE * 2 * ms // 1000)).decode()
-    return _Event(type="response.output_audio.delta", response_id=response_id, delta=audio)
+    return RealtimeEvent(type="response.output_audio.delta", response_id=response_id, delta=audio)
 
 
 async def realtime_outcome(
@@ -128,11 +128,13 @@ async def realtime_outcome(
     turn = _Turn(utterance, speech_end_s=0.0, duplex=False)
     state.turn = turn
     events = [
-        _Event(type="session.created", session={"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}}),
-        _Event(type="input_audio_buffer.speech_stopped"),
-        _Event(type="response.created", response={"id": "r1"}),
+        RealtimeEvent(
+            type="session.created", session={"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}}
+        ),
+        RealtimeEvent(type="input_audio_buffer.speech_stopped"),
+        RealtimeEvent(type="response.created", response={"id": "r1"}),
         *(delta("r1", 40) for _ in range(5)),
-        _Event(
+        RealtimeEvent(
             type="response.done",
             response={"id": "r1", "status": status, "status_details": {"reason": "x"}, "metadata": metadata},
         ),
