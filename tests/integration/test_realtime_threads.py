@@ -78,7 +78,10 @@ def rtc_duplex_server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def rtc_video_chat_server() -> Iterator[RunningServer]:
-    with serve(Settings(engine="synthetic", omni_model="preset:tiny", webrtc_host_addresses=LOOPBACK)) as server:
+    # Slots admission: five answers start at once beside the tiny thinker on two cores, which headroom admission may
+    # rightly refuse; what is counted here is threads.
+    settings = Settings(engine="synthetic", omni_model="preset:tiny", webrtc_host_addresses=LOOPBACK, admission="slots")
+    with serve(settings) as server:
         yield server
 
 
@@ -134,6 +137,7 @@ async def one_call(server: RunningServer, channel: str, all_heard: asyncio.Barri
     def on_event(message: str, _now_s: float) -> None:
         if json.loads(message)["type"] == "error":
             errors.append(message)
+            heard.set()  # no reply is coming: fail at once, with the error
 
     def on_audio(frame: av.AudioFrame, _now_s: float) -> None:
         if not is_silent(frame):
@@ -155,10 +159,10 @@ async def one_call(server: RunningServer, channel: str, all_heard: asyncio.Barri
             peer.send_json({"type": "video.query", "text": "What is moving?"})
         # The duplex model speaks on its own clock; nothing to ask.
         await asyncio.wait_for(heard.wait(), READ_LIMIT_S)
+        assert not errors, errors
         await asyncio.wait_for(all_heard.wait(), READ_LIMIT_S)
     finally:
         await peer.close()
-    assert not errors, errors
 
 
 async def serve_calls(server: RunningServer, channel: str, count: int) -> int:
