@@ -28,3 +28,26 @@ def test_an_inline_engine_has_one_gateway_and_a_given_count_is_kept(monkeypatch:
 def test_a_negative_worker_count_is_refused() -> None:
     with pytest.raises(ValueError, match="--workers"):
         serve.engine_process(Settings(workers=-1))
+
+
+def test_a_duplex_engine_runs_in_a_core_on_cuda_with_one_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "available_cpus", lambda: 64)
+    on_gpu = Settings(engine="duplex", engine_options={"device": "cuda"})
+    assert serve.engine_process(on_gpu) == "core"
+    assert serve.gateway_workers(on_gpu, "core") == 1  # automatic workers: one for a duplex core
+    assert serve.engine_process(Settings(engine="duplex")) == "inline"  # the CPU default stays in the gateway
+    assert serve.engine_process(Settings(engine="duplex", engine_process="core")) == "core"
+    assert serve.engine_process(Settings(engine="duplex", engine_options={"device": "cuda:0"})) == "core"
+    inline = Settings(engine="duplex", engine_process="inline", engine_options={"device": "cuda"})
+    assert serve.engine_process(inline) == "inline"
+
+
+def test_a_duplex_engine_refuses_several_gateway_workers() -> None:
+    with pytest.raises(ValueError, match="--workers above 1 cannot serve a duplex engine"):
+        serve.engine_process(Settings(engine="duplex", engine_process="core", workers=2))
+
+
+def test_ray_keeps_the_engine_inline() -> None:
+    assert serve.engine_process(Settings(engine_pool="ray")) == "inline"
+    with pytest.raises(ValueError, match="--engine-pool ray"):
+        serve.engine_process(Settings(engine_pool="ray", engine_process="core"))

@@ -16,6 +16,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import Engine
@@ -26,14 +27,17 @@ from omnigate.gateway.cli.serve import build_parser, settings_from_args
 from omnigate.gateway.ops.logging import configure_logging
 from omnigate.gateway.settings import Settings
 
+if TYPE_CHECKING:
+    from omnigate.engines.duplex.engine import DuplexEngine
+
 log = logging.getLogger("omnigate.engines.core")
 
 
-async def _serve(core: ReplicaCore, socket_path: str) -> None:
+async def _serve(core: ReplicaCore, socket_path: str, duplex: DuplexEngine | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    await serve_core(core, socket_path, stop)
+    await serve_core(core, socket_path, stop, duplex=duplex)
 
 
 def core_for(engine: Engine, settings: Settings) -> ReplicaCore:
@@ -65,12 +69,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.info.model,
         engine.info.max_sessions,
     )
+    duplex = None
+    if engine.info.capabilities.duplex:
+        # A duplex engine also serves its sessions here: its tick clock away from the gateways' event loops.
+        from omnigate.engines.duplex.engine import DuplexEngine
+
+        duplex = engine if isinstance(engine, DuplexEngine) else None
     gc.collect()
     gc.freeze()  # the loaded model's objects stay out of the collector's walks (as in the gateway)
     try:
         import uvloop
 
-        uvloop.run(_serve(core, known.socket))
+        uvloop.run(_serve(core, known.socket, duplex))
     finally:
         core.shutdown()
     return 0

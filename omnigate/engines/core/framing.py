@@ -2,7 +2,9 @@
 
 The bodies are the remote pool's messages (:mod:`omnigate.engines.remote.protocol`), already msgpack; a frame only
 says which call a body belongs to and what it is, so PCM crosses the socket as the bytes of one msgpack ``bin``,
-never pickled and never re-encoded. Every frame is bounded by :data:`MAX_FRAME_BYTES`; a peer that sends a longer
+never pickled and never re-encoded. The ``DUPLEX_*`` kinds serve duplex sessions
+(:mod:`omnigate.engines.core.duplex_protocol`): their call id is the gateway's session id, and user audio crosses
+as the raw PCM body. Every frame is bounded by :data:`MAX_FRAME_BYTES`; a peer that sends a longer
 one, or an unknown kind, is a protocol error and its connection is dropped.
 """
 
@@ -19,7 +21,8 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024
 
 
 class FrameKind(enum.IntEnum):
-    """What a frame carries. Gateway to core: OPEN, CANCEL, CONTROL, STATS. Core to gateway: the rest."""
+    """What a frame carries. Gateway to core: OPEN, CANCEL, CONTROL, STATS and the duplex calls DUPLEX_HELLO,
+    DUPLEX_OPEN, DUPLEX_AUDIO, DUPLEX_CLEAR, DUPLEX_GRANT, DUPLEX_CLOSE. Core to gateway: the rest."""
 
     OPEN = 1  # start a stream call: an ``OpenStream``
     STREAM = 2  # one message of a stream call: ``Opened``, ``Refused`` or ``Outputs``
@@ -29,6 +32,16 @@ class FrameKind(enum.IntEnum):
     STATS = 6  # the gateway's id (UTF-8): asks for ``ReplicaStats`` and renews the gateway's streams
     REPLY = 7  # the answer to CONTROL (a ``ReplicaReport``) or STATS (a ``ReplicaStats``)
     ERROR = 8  # the call failed inside the core; the body is a UTF-8 description
+    DUPLEX_HELLO = 9  # the connection serves duplex sessions: the core answers DUPLEX_INFO; empty body
+    DUPLEX_INFO = 10  # a ``DuplexInfo``: the engine's facts
+    DUPLEX_OPEN = 11  # open the session ``call``: a ``DuplexOpen``
+    DUPLEX_AUDIO = 12  # user audio of the session: s16le PCM at the engine's rate, the body itself
+    DUPLEX_CLEAR = 13  # drop the session's unconsumed input; empty body
+    DUPLEX_GRANT = 14  # the session's consumer has room for more frames: a ``DuplexGrant``
+    DUPLEX_CLOSE = 15  # close the session and free its slot; empty body
+    DUPLEX_TICK = 16  # every frame one tick made for the connection's sessions: a ``DuplexTick``; call 0
+    DUPLEX_ENDED = 17  # the core ended the session (refused, or its step failed): a ``DuplexEnded``
+    DUPLEX_STATS = 18  # the clock's counters (a ``ClockStats``), at most once a second; call 0
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)

@@ -5,7 +5,8 @@ Each gateway process holds one connection. A stream call is a task that forwards
 frames; a CANCEL frame, or the connection closing (the gateway exited or crashed), cancels the task, which aborts
 the stream in the pool and frees its slot at once. CONTROL and STATS are answered in order on the connection.
 Writes wait for the socket to drain, so a gateway that stops reading stalls only its own calls, and what waits
-for it is bounded by the credit its streams were granted.
+for it is bounded by the credit its streams were granted. When the core's engine is a duplex engine, a connection
+also serves duplex sessions (``DUPLEX_*`` frames, :class:`DuplexLink`, whose writes never wait).
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
+from omnigate.engines.core.duplex_server import DuplexLink
 from omnigate.engines.core.framing import Frame, FrameDecoder, FrameError, FrameKind, encode_frame
 from omnigate.engines.remote.replica import ReplicaCore
+
+if TYPE_CHECKING:
+    from omnigate.engines.duplex.engine import DuplexEngine
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +33,16 @@ READ_BYTES = 256 * 1024
 class CoreConnection:
     """One gateway process's connection to the core."""
 
-    def __init__(self, core: ReplicaCore, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        core: ReplicaCore,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        duplex: DuplexEngine | None = None,
+    ) -> None:
         self._core = core
+        self._duplex_engine = duplex
+        self._duplex: DuplexLink | None = None
         self._reader = reader
         self._writer = writer
         self._decoder = FrameDecoder()
@@ -45,6 +59,8 @@ class CoreConnection:
         except (ConnectionError, OSError):
             pass
         finally:
+            if self._duplex is not None:
+                self._duplex.close()
             tasks = list(self._streams.values())
             for task in tasks:
                 task.cancel()
@@ -58,7 +74,9 @@ class CoreConnection:
         self._writer.transport.abort()
 
     async def _dispatch(self, frame: Frame) -> None:
-        if frame.kind is FrameKind.OPEN:
+        if frame.kind >= FrameKind.DUPLEX_HELLO:
+            self._duplex_link().handle(frame)
+        elif frame.kind is FrameKind.OPEN:
             if frame.call in self._streams:
                 raise FrameError(f"call {frame.call} is already open")
             task = asyncio.get_running_loop().create_task(self._stream(frame.call, frame.body), name="core-stream")
@@ -75,6 +93,14 @@ class CoreConnection:
             await self._unary(frame.call, self._core.stats(frame.body.decode()))
         else:
             raise FrameError(f"a gateway may not send {frame.kind.name}")
+
+    def _duplex_link(self) -> DuplexLink:
+        if self._duplex is None:
+            if self._duplex_engine is None:
+                raise FrameError("this engine core serves no duplex engine")
+            transport = self._writer.transport
+            self._duplex = DuplexLink(self._duplex_engine, self._writer.write, transport.get_write_buffer_size)
+        return self._duplex
 
     async def _unary(self, call: int, reply: Awaitable[bytes]) -> None:
         try:
@@ -107,16 +133,21 @@ class CoreConnection:
 
 
 async def serve_core(
-    core: ReplicaCore, socket_path: str, stop: asyncio.Event, ready: asyncio.Event | None = None
+    core: ReplicaCore,
+    socket_path: str,
+    stop: asyncio.Event,
+    ready: asyncio.Event | None = None,
+    duplex: DuplexEngine | None = None,
 ) -> None:
-    """Serve ``core`` on ``socket_path`` until ``stop`` is set (``ready`` is set once it listens). The socket is
-    readable by this user only."""
+    """Serve ``core`` on ``socket_path`` until ``stop`` is set (``ready`` is set once it listens), and the duplex
+    sessions of ``duplex``, the core's engine when it is a duplex engine. The socket is readable by this user
+    only."""
     connections: dict[CoreConnection, asyncio.Task[None]] = {}
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        connection = CoreConnection(core, reader, writer)
+        connection = CoreConnection(core, reader, writer, duplex)
         connections[connection] = task
         try:
             await connection.serve()

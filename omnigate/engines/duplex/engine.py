@@ -43,7 +43,14 @@ from omnigate.engines.base import (
 from omnigate.engines.duplex.frames import FrameModel, FrameSettings
 from omnigate.engines.duplex.model import DuplexModel, load_duplex_model
 from omnigate.engines.duplex.options import TORCH_DTYPES, DuplexOptions
-from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
+from omnigate.engines.duplex.session import (
+    DuplexClosed,
+    DuplexFrame,
+    DuplexFull,
+    DuplexSession,
+    FrameSink,
+    SessionEnd,
+)
 from omnigate.engines.duplex.stats import ClockStats
 from omnigate.os_threads import name_os_thread
 
@@ -161,9 +168,16 @@ class DuplexEngine(Engine):
             return len(self._sessions)
 
     def open_session(
-        self, sink: FrameSink, *, max_input_bytes: int, initial_credit_frames: int, seed: int | None = None
+        self,
+        sink: FrameSink,
+        *,
+        max_input_bytes: int,
+        initial_credit_frames: int,
+        seed: int | None = None,
+        on_end: SessionEnd | None = None,
     ) -> DuplexSession:
-        """Admit a session; ``sink`` receives its frames on the calling event loop. Raises DuplexFull/DuplexClosed."""
+        """Admit a session; ``sink`` receives its frames on the calling event loop, ``on_end`` hears there when the
+        engine ends the session itself (a failed step). Raises DuplexFull/DuplexClosed."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self._closing:
@@ -183,6 +197,7 @@ class DuplexEngine(Engine):
                 loop=loop,
                 max_input_bytes=max_input_bytes,
                 credit_frames=initial_credit_frames,
+                on_end=on_end,
             )
             self._sessions[session_id] = session
             self.stats.sessions = len(self._sessions)
@@ -356,10 +371,15 @@ class DuplexEngine(Engine):
 
     def _fail(self, session: DuplexSession) -> None:
         with self._cond:
+            if session.closed:
+                return
             session.closed = True
             self._sessions.pop(session.id, None)
             self.stats.sessions = len(self._sessions)
             self._free_slots.add(session.slot)
+        if session.on_end is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to tell
+                session.loop.call_soon_threadsafe(session.on_end, "engine_error", "the duplex model step failed")
 
     def _piece(self, token: int) -> str:
         if self._tokenizer is None or token == self.options.listen_token_id:

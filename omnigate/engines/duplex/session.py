@@ -26,6 +26,9 @@ class DuplexFrame(msgspec.Struct, frozen=True):
 
 
 FrameSink = Callable[[DuplexFrame], None]
+SessionEnd = Callable[[str, str], None]
+"""Told, with a typed error code and a message, that the engine ended a session on its own (its step failed, or the
+engine serving it is gone); called on the session's event loop, at most once, and no frame follows."""
 
 
 class DuplexFull(Exception):
@@ -41,6 +44,15 @@ class DuplexClosed(Exception):
     """The engine is shutting down and admits nothing."""
 
 
+class DuplexUnavailable(Exception):
+    """The engine serving duplex sessions cannot be reached now (its process is restarting); the caller refuses the
+    session with a retry hint."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(eq=False)
 class DuplexSession:
     """A live session: the engine's lock guards every field the event loop and the clock thread share."""
@@ -52,6 +64,7 @@ class DuplexSession:
     loop: asyncio.AbstractEventLoop
     max_input_bytes: int
     credit_frames: int
+    on_end: SessionEnd | None = None
     pending: bytearray = field(default_factory=bytearray)
     fresh: bool = True
     closed: bool = False

@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "core", "inline"],
         help="core: the engine runs in an engine-core process of its own, which the gateway processes reach over "
         "a Unix socket (their event loops never share a GIL with the engine); inline: in the gateway process; "
-        "auto: core for the talker and whenever --workers is above 1, inline otherwise (duplex and Ray are "
-        "always inline)",
+        "auto: core for the talker, for --engine duplex on CUDA (-E device=cuda) and whenever --workers is above "
+        "1, inline otherwise (Ray is always inline; a --duplex-model beside a text-to-speech engine runs in the "
+        "gateway process; a duplex core is served by one gateway process)",
     )
     eng.add_argument(
         "--workers",
@@ -192,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="serve full-duplex speech-to-speech beside the speech engine: a Moshi checkpoint directory, or "
-        "preset:tiny / preset:moshi-7b (random weights: noise, for tests and benchmarks); --engine duplex --model "
-        "SPEC serves it alone",
+        "preset:tiny / preset:moshi-7b (random weights: noise, for tests and benchmarks), always in the gateway "
+        "process; --engine duplex --model SPEC serves it alone, in an engine core with --engine-process core",
     )
     duplex.add_argument(
         "--duplex-option",
@@ -490,15 +491,23 @@ def engine_process(settings: Settings) -> str:
     if settings.workers < 0:
         raise ValueError("--workers must be 0 (automatic) or more")
     choice = settings.engine_process
-    inline_only = None
     if settings.engine_pool == "ray":
-        inline_only = "with --engine-pool ray the engine replicas run on the Ray cluster"
-    elif settings.engine == "duplex":
-        inline_only = "a duplex engine serves its sessions through the gateway's own process"
-    if inline_only is not None:
         if choice == "core" or settings.workers > 1:
-            raise ValueError(f"--engine-process core and --workers need a text-to-speech engine pool: {inline_only}")
+            raise ValueError(
+                "--engine-process core and --workers need a local engine pool: with --engine-pool ray the engine "
+                "replicas run on the Ray cluster"
+            )
         return "inline"
+    if settings.engine == "duplex":
+        if settings.workers > 1:
+            raise ValueError(
+                "--workers above 1 cannot serve a duplex engine: one gateway process serves its sessions, so that "
+                "their admission and input caps stay exact (the engine core's clock carries the model's load)"
+            )
+        if choice == "auto":
+            # On a GPU the clock must not wait for the GIL that the gateway's loop holds; on a CPU they share cores.
+            return "core" if settings.engine_options.get("device", "cpu").startswith("cuda") else "inline"
+        return choice
     if choice == "auto":
         return "core" if settings.engine == "talker" or settings.workers > 1 else "inline"
     if choice == "inline" and settings.workers > 1:
@@ -512,7 +521,7 @@ def gateway_workers(settings: Settings, where: str) -> int:
     bounds the engine core's capacity at ~400 talker sessions, four carry ~630: docs/benchmarks/talker_gpu_wave2.md)."""
     if settings.workers > 0:
         return settings.workers
-    if where != "core":
+    if where != "core" or settings.engine == "duplex":
         return 1
     return max(1, min(MAX_AUTO_WORKERS, available_cpus() // CORES_PER_WORKER))
 

@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import Protocol
 
 from omnigate.engines.base import EngineInfo
-from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession, FrameSink
+from omnigate.engines.duplex.session import (
+    DuplexClosed,
+    DuplexFrame,
+    DuplexFull,
+    DuplexSession,
+    DuplexUnavailable,
+    FrameSink,
+    SessionEnd,
+)
 from omnigate.engines.duplex.stats import ClockStats
 from omnigate.gateway.realtime.backend import Backend, ResponseSink, SessionRefused
 from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
@@ -24,7 +32,8 @@ MAX_MUTE_MS = 1000.0  # after an interruption, how long a model that keeps talki
 
 class DuplexEngineApi(Protocol):
     """The session API of :class:`omnigate.engines.duplex.engine.DuplexEngine` (kept as a protocol so that the
-    gateway imports no model code)."""
+    gateway imports no model code), and of :class:`omnigate.engines.core.duplex_client.CoreDuplexClient`, which
+    serves it from an engine-core process."""
 
     info: EngineInfo
     sample_rate: int
@@ -32,7 +41,13 @@ class DuplexEngineApi(Protocol):
     stats: ClockStats
 
     def open_session(
-        self, sink: FrameSink, *, max_input_bytes: int, initial_credit_frames: int, seed: int | None = None
+        self,
+        sink: FrameSink,
+        *,
+        max_input_bytes: int,
+        initial_credit_frames: int,
+        seed: int | None = None,
+        on_end: SessionEnd | None = None,
     ) -> DuplexSession: ...
 
     def push_audio(self, session: DuplexSession, pcm: bytes) -> bool: ...
@@ -67,10 +82,15 @@ class DuplexBackend(Backend):
         self._sink = sink
         try:
             self._session = self.engine.open_session(
-                self._on_frame, max_input_bytes=self._input_max_bytes, initial_credit_frames=self._credit_frames
+                self._on_frame,
+                max_input_bytes=self._input_max_bytes,
+                initial_credit_frames=self._credit_frames,
+                on_end=self._on_end,
             )
         except DuplexFull as exc:
             raise SessionRefused("resource_exhausted", str(exc), exc.retry_after_s) from None
+        except DuplexUnavailable as exc:
+            raise SessionRefused("engine_unavailable", str(exc), exc.retry_after_s) from None
         except DuplexClosed:
             raise SessionRefused("shutting_down", "the server is shutting down") from None
 
@@ -116,6 +136,11 @@ class DuplexBackend(Backend):
     def _grant(self, frames: int) -> None:
         if self._session is not None:
             self.engine.grant(self._session, frames)
+
+    def _on_end(self, code: str, message: str) -> None:
+        sink = self._sink
+        if sink is not None:  # otherwise released already
+            sink.fail(code, message)
 
     def _on_frame(self, frame: DuplexFrame) -> None:
         sink = self._sink

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -71,12 +72,14 @@ class RealtimeService:
         duplex: DuplexEngineApi | None,
         owns_duplex: bool,
         reports: ResponderReports | None = None,
+        close_duplex: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.duplex = duplex
         self.tts = None if pool.info.capabilities.duplex else pool
         self._owns_duplex = owns_duplex
+        self._close_duplex = close_duplex  # a duplex engine served from an engine core: its connection's close
         # the LLM and transcription clients of sessions that answer the user (serve --llm-url), None without
         self.responder = ResponderClients.start(settings.responder) if settings.responder is not None else None
         self.reports = reports  # where sessions report answered turns and service failures (the metrics)
@@ -141,7 +144,10 @@ class RealtimeService:
         return Route(backend=backend, model=model or name, served_models=served)
 
     async def aclose_services(self) -> None:
-        """Close the responder's connections to the LLM and the transcription server."""
+        """Close the responder's connections to the LLM and the transcription server, and the engine core's duplex
+        connection."""
+        if self._close_duplex is not None:
+            await self._close_duplex()
         if self.responder is not None:
             await self.responder.aclose()
 
@@ -171,6 +177,14 @@ async def start_realtime(
 ) -> RealtimeService:
     """Build the service for a started pool, loading ``settings.duplex_model`` beside a TTS main engine."""
     if pool.info.capabilities.duplex:
+        if settings.core_socket is not None:
+            from omnigate.engines.core.duplex_client import connect_duplex_core
+
+            client = await connect_duplex_core(settings.core_socket)
+            log.info("duplex engine %s on the engine core: %d sessions", client.info.model, client.info.max_sessions)
+            return RealtimeService(
+                settings, pool, client, owns_duplex=False, reports=reports, close_duplex=client.aclose
+            )
         if not isinstance(pool, EnginePool):
             raise ValueError("a duplex main engine runs in this process: it needs the local engine pool")
         return RealtimeService(settings, pool, cast(DuplexEngineApi, pool.engine), owns_duplex=False, reports=reports)
