@@ -13,6 +13,8 @@
 #   BENCH_MODEL=preset:moshi-7b BENCH_DEVICE=cuda BENCH_DTYPE=bfloat16 BENCH_MAX_SESSIONS=64
 #   WS_LEVELS="8 16 32 64" WEBRTC_LEVELS="16 64" (either may be empty) DURATION=20 WARMUP=4 RAMP=4 DRAIN=10
 #   WEBRTC_SESSIONS_PER_CLIENT=16 PORT=8765 PYTHON=python3
+#   ENGINE_PROCESS=auto (serve --engine-process: auto puts the duplex clock in an engine-core process on CUDA; core
+#   or inline force it; with a core, the server figures (CPU, memory, threads) are the gateway worker's)
 # CPU dry run: BENCH_MODEL=preset:tiny BENCH_DEVICE=cpu BENCH_DTYPE=float32 BENCH_MAX_SESSIONS=4 WS_LEVELS="1 2" \
 #   WEBRTC_LEVELS="1 2" WEBRTC_SESSIONS_PER_CLIENT=1 DURATION=6 WARMUP=1 RAMP=1 DRAIN=8 \
 #   benchmarks/realtime_server_gpu.sh /tmp/realtime_dry
@@ -29,10 +31,11 @@ warmup="${WARMUP:-4}"; ramp="${RAMP:-4}"; drain="${DRAIN:-10}"
 per_client="${WEBRTC_SESSIONS_PER_CLIENT:-16}"
 port="${PORT:-8765}"
 python="${PYTHON:-python3}"
+engine_process="${ENGINE_PROCESS:-auto}"
 mkdir -p "$out"
 started=$(date +%s)
 echo "model=$model device=$device dtype=$dtype max_sessions=$max_sessions ws_levels='$ws_levels'" \
-    "webrtc_levels='$webrtc_levels' duration=$duration warmup=$warmup ramp=$ramp drain=$drain" \
+    "webrtc_levels='$webrtc_levels' engine_process=$engine_process duration=$duration warmup=$warmup ramp=$ramp drain=$drain" \
     "sessions_per_webrtc_client=$per_client uptime: $(uptime)" | tee "$out/run.txt"
 # Fail in seconds, not after the model has loaded, when the image lacks a package the run needs.
 "$python" - <<'PY' || exit 1
@@ -48,10 +51,11 @@ for name in needed:
 sys.exit("missing packages: " + ", ".join(missing) if missing else 0)
 PY
 "$python" -m omnigate.gateway.cli serve --engine duplex --model "$model" -E device="$device" -E dtype="$dtype" \
-    -E max_sessions="$max_sessions" --port "$port" --webrtc-host-address 127.0.0.1 --log-level warning \
-    >"$out/server.log" 2>&1 &
-server=$!
-trap 'kill -INT $server 2>/dev/null; wait $server' EXIT
+    -E max_sessions="$max_sessions" --engine-process "$engine_process" --port "$port" \
+    --webrtc-host-address 127.0.0.1 --log-level warning >"$out/server.log" 2>&1 &
+supervisor=$!
+trap 'kill -INT $supervisor 2>/dev/null; wait $supervisor' EXIT
+server=$supervisor
 "$python" - "$port" "$server" <<'PY' || exit 1
 import os, sys, time, urllib.request
 port, pid = sys.argv[1], int(sys.argv[2])
@@ -67,7 +71,11 @@ for _ in range(1200):
         time.sleep(0.5)
 sys.exit("server not ready after 10 minutes")
 PY
-echo "server ready after $(( $(date +%s) - started )) s" | tee -a "$out/run.txt"
+# With an engine core, serve is a supervisor: the gateway worker (started with --attach-core) serves the sessions.
+worker=$(pgrep -P "$supervisor" -f -- "--attach-core" | head -n 1)
+[ -n "$worker" ] && server=$worker
+echo "server ready after $(( $(date +%s) - started )) s (serving pid $server, serve pid $supervisor)" \
+    | tee -a "$out/run.txt"
 levels=(--duration "$duration" --warmup "$warmup" --ramp "$ramp" --drain "$drain")
 threads() { ls "/proc/$server/task" | wc -l; }
 for n in $ws_levels; do
