@@ -112,6 +112,11 @@ async def test_duplex_sessions_run_on_the_engine_core(tmp_path: Path) -> None:
             error = (await next_error(connection))["error"]
             assert error["code"] == "input_backpressure" and error["event_id"] == "a2"
         await wait_metric(server, "omnigate_duplex_sessions", lambda v: v == 0)
+        # SIGTERM drains the gateway, then ends the core: serve exits cleanly, the gateway never lost its core.
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            assert await server.process.wait() == 0
+        assert "lost their engine core" not in server.log.read_text()
 
 
 async def test_a_killed_core_ends_duplex_sessions_typed_and_they_return_with_it(tmp_path: Path) -> None:

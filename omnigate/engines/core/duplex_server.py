@@ -2,9 +2,10 @@
 
 The engine's clock thread hands each tick's frames to the core's event loop in one callback, which calls the
 sessions' sinks one after the other; each sink only files its frame, and one flush scheduled behind them writes the
-tick as ONE message per connection. Writes never wait: what a connection buffers is bounded by the credit its
-sessions were granted (a session without credit sits the tick out) plus one stats message, skipped while the
-gateway is not reading. A connection that drops closes its sessions at once, freeing their slots.
+tick as ONE message per connection (up to :data:`TICK_FRAMES_PER_MESSAGE` sessions). Writes never wait: what a
+connection buffers is bounded by the credit its sessions were granted (a session without credit sits the tick out)
+plus one stats message, skipped while the gateway is not reading. A connection that drops closes its sessions at
+once, freeing their slots.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 STATS_BACKLOG_BYTES = 1024 * 1024
 
 _M = TypeVar("_M", DuplexOpen, DuplexGrant)
+
+# A tick's frames cross as one message up to this many sessions (an 80 ms frame is ~4 KB: ~2 MB, well within a
+# frame's bound); a larger engine's tick goes as several.
+TICK_FRAMES_PER_MESSAGE = 512
 
 Send = Callable[[bytes], None]
 """Writes bytes on the connection without waiting."""
@@ -153,8 +158,9 @@ class DuplexLink:
     def _flush(self) -> None:
         self._flush_scheduled = False
         frames, self._tick = self._tick, []
-        if frames:
-            self._send(encode_frame(FrameKind.DUPLEX_TICK, 0, ENCODER.encode(DuplexTick(frames))))
+        for start in range(0, len(frames), TICK_FRAMES_PER_MESSAGE):
+            tick = DuplexTick(frames[start : start + TICK_FRAMES_PER_MESSAGE])
+            self._send(encode_frame(FrameKind.DUPLEX_TICK, 0, ENCODER.encode(tick)))
 
     async def _send_stats(self) -> None:
         last = b""
