@@ -19,7 +19,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from tests.integration.test_engine_core import CoreServer, core_server
+from tests.integration.test_engine_core import CoreServer, core_server, read_until_dropped
 from tests.integration.test_realtime_duplex import FRAME_BYTES, next_error, stream_audio
 from tests.integration.test_realtime_ws import pcm_of, realtime, recv, until
 from tests.unit.test_realtime_protocol import validate_server_event
@@ -163,3 +163,42 @@ async def refusal_or_session(port: int) -> str:
     code: str = event["error"]["code"]
     assert code == "engine_unavailable"
     return code
+
+
+async def served_or_refused(urls: Urls) -> str:
+    """A new duplex session that streams microphone audio: ``served`` at its first reply audio, else the code of
+    the error that ended it (the core refusing a slot it still holds)."""
+    async with realtime(urls) as connection:
+        assert (await recv(connection))["type"] == "session.created"
+        sender = asyncio.create_task(stream_audio(connection, 400))
+        try:
+            while True:
+                event = await recv(connection)
+                if event["type"] == "response.output_audio.delta":
+                    return "served"
+                if event["type"] == "error":
+                    code: str = event["error"]["code"]
+                    return code
+        finally:
+            sender.cancel()
+
+
+async def test_a_killed_gateway_frees_its_duplex_slot_in_the_core(tmp_path: Path) -> None:
+    async with core_server(tmp_path, DUPLEX) as server:
+        urls = Urls(server.port)
+        (worker_pid,) = server.pids("gateway worker 0")
+        held = await ws_connect(f"ws://127.0.0.1:{server.port}/v1/duplex")
+        assert json.loads(await held.recv())["type"] == "session.created"
+        await wait_metric(server, "omnigate_duplex_sessions", lambda v: v == 1)
+        os.kill(worker_pid, signal.SIGKILL)
+        await read_until_dropped(held)
+        await server.wait_ready(200)
+        assert len(server.pids("gateway worker 0")) == 2
+        # The restarted gateway knows no session; the core closed the dead one's with its connection, so the
+        # one slot serves a new session (were it still held, the core would refuse it: resource_exhausted).
+        async with asyncio.timeout(60):
+            while True:
+                outcome = await served_or_refused(urls)
+                if outcome == "served":
+                    break
+                assert outcome == "resource_exhausted"
