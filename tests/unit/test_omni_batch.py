@@ -211,3 +211,19 @@ async def test_an_answer_that_fills_the_context_stops_with_max_context() -> None
 def test_more_sessions_than_cache_slots_are_refused() -> None:
     with pytest.raises(ValueError, match="cache slots"):
         OmniEngine(build_preset("tiny", slots=2, max_context=16), max_sessions=3)
+
+
+async def test_a_burst_of_questions_is_prefilled_over_several_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("omnigate.engines.omni.engine.PREFILL_TOKENS_PER_STEP", 1)  # one prefill per step
+    engine = OmniEngine(build_preset("tiny", seed=4, slots=3, max_context=128))
+    collector = Collector()
+    for i in range(3):
+        engine.submit(ThinkRequest("", f"q{i}?", max_new_tokens=4, seed=i), collector.sink(str(i)))
+    engine.start()
+    try:
+        dones = [await collector.done(str(i)) for i in range(3)]
+    finally:
+        await asyncio.to_thread(engine.stop)
+    assert [d.reason for d in dones] == ["max_tokens"] * 3
+    # Answer i starts at step i + 1 and ends at step i + 4: 6 steps of 1, 2, 3, 3, 2, 1 answers.
+    assert (engine.steps, engine.decode_rows_total) == (6, 12)

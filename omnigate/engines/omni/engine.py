@@ -43,6 +43,10 @@ from omnigate.engines.omni.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
+# Prompt tokens one worker loop prefills before its decode step (at least one query's): a burst of questions
+# (each with frames to encode) is admitted over several steps, so the answers in flight keep streaming meanwhile.
+PREFILL_TOKENS_PER_STEP = 1024
+
 
 @dataclass(eq=False)
 class ThinkJob:
@@ -182,42 +186,48 @@ class OmniEngine:
                     self._finish(job, "cancelled")  # first: its slot may be the one a new query needs
             running = [j for j in running if not j.done]
             waiting: list[ThinkJob] = []
+            prefilled = 0
             for job in admitted:
                 if job.cancelled:
                     self._finish(job, "cancelled")
-                elif not self._free_slots:
-                    # A job cancelled after this step began still holds its slot: the next step frees it.
+                elif not self._free_slots or prefilled >= PREFILL_TOKENS_PER_STEP:
+                    # No free slot: a job cancelled after this step began still holds its own (the next step frees
+                    # it). Over the budget: the answers in flight get their next token before more prefills.
                     waiting.append(job)
-                elif self._prefill(job):
-                    running.append(job)
+                else:
+                    prefilled += self._prefill(job)
+                    if not job.done:
+                        running.append(job)
             if running:
                 self._step(running)
             with self._lock:
                 self._running = [j for j in running if not j.done]
                 self._pending[:0] = waiting
 
-    def _prefill(self, job: ThinkJob) -> bool:
+    def _prefill(self, job: ThinkJob) -> int:
+        """Encode the job's prompt into a slot; the prompt's tokens (the job has ended when it could not start)."""
         job.slot = self._free_slots.pop()
         try:
             started = time.perf_counter()
             embeds = self._prompt_embeds(job.request)
-            if embeds.shape[0] > self.model.max_context:
+            tokens = int(embeds.shape[0])
+            if tokens > self.model.max_context:
                 message = (
-                    f"the prompt ({embeds.shape[0]} tokens: history, frames, audio and question) exceeds the "
-                    f"thinker's context of {self.model.max_context} tokens; ask with fewer frames or a shorter history"
+                    f"the prompt ({tokens} tokens: history, frames, audio and question) exceeds the thinker's "
+                    f"context of {self.model.max_context} tokens; ask with fewer frames or a shorter history"
                 )
                 self._finish(job, "error", message, CONTEXT_LENGTH_EXCEEDED)
-                return False
+                return 0
             job.logits = self.model.prefill(job.slot, embeds)
             job.prefill_s = time.perf_counter() - started
         except Exception as exc:
             log.exception("omni prefill failed")
             self._finish(job, "error", f"{type(exc).__name__}: {exc}")
-            return False
-        self.prefill_tokens_total += int(embeds.shape[0])
+            return 0
+        self.prefill_tokens_total += tokens
         job.decoder = IncrementalDecoder(self.model.tokenizer)
         job.generator = torch.Generator(device="cpu").manual_seed(job.request.seed)
-        return True
+        return tokens
 
     def _prompt_embeds(self, request: ThinkRequest) -> torch.Tensor:
         model = self.model

@@ -103,7 +103,7 @@ class OmniModel:
 
     The cache is preallocated: ``layers * 2 (keys, values) * kv_heads * head_dim * max_context`` elements per slot,
     for the 3B shape (36 layers, 2 key/value heads of 128) in bfloat16 36 KiB per token, 144 MiB per slot at the
-    default 4096 tokens (2.3 GiB for 16 slots, 9.1 GiB for 64).
+    default 4096 tokens (2.4 GiB for 16 slots, 9.1 GiB for 64, each with the cache's scratch slot).
     """
 
     def __init__(
