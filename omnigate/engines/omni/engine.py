@@ -68,6 +68,11 @@ class ThinkJob:
     def cancel(self) -> None:
         self.cancelled = True
 
+    @property
+    def answering(self) -> bool:
+        """Neither cancelled nor ended: the job counts against ``max_sessions``."""
+        return not (self.cancelled or self.done)
+
     def next_logits(self) -> torch.Tensor:
         """The logits the next token is sampled from (a job that was prefilled and has not ended has them)."""
         if self.logits is None:
@@ -157,9 +162,9 @@ class OmniEngine:
         with self._lock:
             if self._stopping:
                 raise EngineError("shutting_down", "the server is shutting down")
-            # A cancelled job holds no slot: the worker drops it at its next step, and the query replacing it
-            # (a new question cancels the one in flight) must not be refused for it.
-            answering = sum(not j.cancelled for j in self._pending) + sum(not j.cancelled for j in self._running)
+            # A cancelled or ended job holds no slot: the worker drops it at its next step, and the query replacing
+            # it (a new question cancels the one in flight, or follows the answer just ended) must not be refused.
+            answering = sum(j.answering for j in self._pending) + sum(j.answering for j in self._running)
             if answering >= self.info.max_sessions:
                 raise EngineError("engine_busy", "every omni engine slot is answering; retry shortly")
             self._pending.append(job)
