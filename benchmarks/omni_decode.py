@@ -3,7 +3,10 @@
 At each level N answers (a prompt of ``--prompt-chars`` characters each, ``--max-new-tokens`` at most, sampled at
 temperature 0.7) are submitted before the worker starts, so every step decodes all that are still running. Reports
 the tokens per second of all answers together (the wall time includes the first step's prefills), the decode steps
-per second and the mean answers per step.
+per second and the mean answers per step. First it checks the slot-cache forward (the Triton kernels on CUDA) against
+the transformers thinker's own forward on the same device: a prompt, then decode tokens beside a neighbour at
+another length; the report's ``matches_transformers`` gives the largest logit difference relative to the largest
+logit, and whether the top token agrees.
 
 CPU, tiny preset (seconds)::
 
@@ -28,8 +31,42 @@ from typing import Any
 import torch
 
 from omnigate.engines.omni.engine import OmniEngine
-from omnigate.engines.omni.model import load_omni_model
+from omnigate.engines.omni.model import OmniModel, load_omni_model
 from omnigate.engines.omni.request import ThinkDone, ThinkOutput, ThinkRequest
+
+
+@torch.inference_mode()
+def check_against_transformers(model: OmniModel, prompt_tokens: int = 96, decode_tokens: int = 8) -> dict[str, Any]:
+    """The slot forward against the thinker's own forward (a ``DynamicCache``, sequential positions in all three
+    rotary sections) on the model's device: slot 1 is checked while slot 0 holds a shorter neighbour."""
+    from transformers.cache_utils import DynamicCache
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.vocab_limit or int(model.thinker.config.text_config.vocab_size)
+    ids = torch.randint(0, vocab, (prompt_tokens + decode_tokens,), generator=generator).tolist()
+    cache = DynamicCache(config=model.thinker.config.text_config)
+
+    def reference(embeds: torch.Tensor) -> torch.Tensor:
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + embeds.shape[0], device=model.device).view(1, 1, -1).expand(3, 1, -1)
+        out = model.thinker.model(inputs_embeds=embeds[None], position_ids=positions, cache=cache, use_cache=True)
+        logits: torch.Tensor = model.thinker.lm_head(out.last_hidden_state[0, -1]).float()
+        return logits[:vocab]
+
+    worst = 0.0
+    agree = True
+    model.prefill(0, model.embed(ids[: prompt_tokens // 3]))
+    pairs = [(model.prefill(1, model.embed(ids[:prompt_tokens])), reference(model.embed(ids[:prompt_tokens])))]
+    for i in range(prompt_tokens, prompt_tokens + decode_tokens):
+        batched = model.decode([0, 1], torch.tensor([ids[0], ids[i]]))[1]
+        pairs.append((batched, reference(model.embed([ids[i]]))))
+    for got, want in pairs:
+        got = got.float()[:vocab]
+        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+        agree = agree and int(got.argmax()) == int(want.argmax())
+    for slot in (0, 1):
+        model.cache.reset(slot)
+    return {"relative_max_logit_difference": round(worst, 5), "top_token_agrees": agree, "steps": len(pairs)}
 
 
 async def level(engine: OmniEngine, answers: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +128,8 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "levels": [],
     }
+    report["matches_transformers"] = check_against_transformers(model)
+    print(json.dumps({"matches_transformers": report["matches_transformers"]}), flush=True)
     if hasattr(os, "getloadavg"):
         report["load_before"] = os.getloadavg()
     for answers in levels:
