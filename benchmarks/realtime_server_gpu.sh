@@ -13,6 +13,9 @@
 #   BENCH_MODEL=preset:moshi-7b BENCH_DEVICE=cuda BENCH_DTYPE=bfloat16 BENCH_MAX_SESSIONS=64
 #   WS_LEVELS="8 16 32 64" WEBRTC_LEVELS="16 64" (either may be empty) DURATION=20 WARMUP=4 RAMP=4 DRAIN=10
 #   WEBRTC_SESSIONS_PER_CLIENT=16 PORT=8765 PYTHON=python3
+#   TURNS=100: turns per session; a session begins turns until its level ends, so sessions stay connected across
+#   the level as a voice agent's do (one turn per session made every client reconnect seconds apart, and a client
+#   reconnecting before the server released its previous session was refused at the session limit)
 #   ENGINE_PROCESS=auto (serve --engine-process: auto puts the duplex clock in an engine-core process on CUDA; core
 #   or inline force it; with a core, the server figures (CPU, memory, threads) are the gateway worker's)
 # CPU dry run: BENCH_MODEL=preset:tiny BENCH_DEVICE=cpu BENCH_DTYPE=float32 BENCH_MAX_SESSIONS=4 WS_LEVELS="1 2" \
@@ -30,13 +33,14 @@ max_sessions="${BENCH_MAX_SESSIONS:-64}"
 warmup="${WARMUP:-4}"; ramp="${RAMP:-4}"; drain="${DRAIN:-10}"
 per_client="${WEBRTC_SESSIONS_PER_CLIENT:-16}"
 port="${PORT:-8765}"
+turns="${TURNS:-100}"
 python="${PYTHON:-python3}"
 engine_process="${ENGINE_PROCESS:-auto}"
 mkdir -p "$out"
 started=$(date +%s)
 echo "model=$model device=$device dtype=$dtype max_sessions=$max_sessions ws_levels='$ws_levels'" \
-    "webrtc_levels='$webrtc_levels' engine_process=$engine_process duration=$duration warmup=$warmup ramp=$ramp drain=$drain" \
-    "sessions_per_webrtc_client=$per_client uptime: $(uptime)" | tee "$out/run.txt"
+    "webrtc_levels='$webrtc_levels' engine_process=$engine_process duration=$duration warmup=$warmup ramp=$ramp" \
+    "drain=$drain sessions_per_webrtc_client=$per_client turns=$turns uptime: $(uptime)" | tee "$out/run.txt"
 # Fail in seconds, not after the model has loaded, when the image lacks a package the run needs.
 "$python" - <<'PY' || exit 1
 import importlib, sys
@@ -76,7 +80,7 @@ worker=$(pgrep -P "$supervisor" -f -- "--attach-core" | head -n 1)
 [ -n "$worker" ] && server=$worker
 echo "server ready after $(( $(date +%s) - started )) s (serving pid $server, serve pid $supervisor)" \
     | tee -a "$out/run.txt"
-levels=(--duration "$duration" --warmup "$warmup" --ramp "$ramp" --drain "$drain")
+levels=(--duration "$duration" --warmup "$warmup" --ramp "$ramp" --drain "$drain" --utterances-per-session "$turns")
 threads() { ls "/proc/$server/task" | wc -l; }
 for n in $ws_levels; do
     before=$(threads)

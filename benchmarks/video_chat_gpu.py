@@ -5,7 +5,8 @@ WebSocket clients of ``/v1/video/chat/stream`` that send JPEG camera frames at `
 ``--query-every`` seconds; it reports, per level, the time from ``video.query`` to the first text delta and to the
 first audio byte (p50/p95/max over every query after the first round; the first round apart), and why each level's
 questions ended: terminal statuses, error codes with a few messages, questions still open after ``--drain`` seconds,
-and the thinker's token rate (its decode is one forward per answer per token, shared by every answering session).
+and the thinker's token rate (each decode step is one batched forward over every answer in flight: its steps per
+second and answers per step say how the batch grows with the sessions).
 The talker admits by slots (``--admission slots``) so that a level measures what the engines carry; ``headroom``
 measures what a production gateway admits. Then it measures the vision encoder alone:
 milliseconds per frame when every frame is new, and when the frames are unchanged (their vision tokens come from
@@ -314,14 +315,17 @@ def main() -> None:
         engine = server.app.state.omni_engine
         report["tokens_per_frame"] = engine.info.tokens_per_frame
         for sessions in levels:
-            tokens, steps, started = engine.tokens_total, engine.steps, time.perf_counter()
+            tokens, steps, rows = engine.tokens_total, engine.steps, engine.decode_rows_total
+            prefill_tokens, started = engine.prefill_tokens_total, time.perf_counter()
             result = asyncio.run(level(server.ws_url, sessions, frames, args))
             wall = time.perf_counter() - started
-            # The thinker decodes one answer's token per forward, serially across sessions: its token rate is
-            # what every answering session shares.
+            # One decode step advances every answer in flight by a token: the token rate is shared by them all.
             result["omni_steps"] = engine.steps - steps
             result["omni_tokens"] = engine.tokens_total - tokens
             result["omni_tokens_per_s"] = round(result["omni_tokens"] / wall, 1)
+            result["omni_steps_per_s"] = round(result["omni_steps"] / wall, 1)
+            result["omni_answers_per_step"] = round((engine.decode_rows_total - rows) / max(1, result["omni_steps"]), 2)
+            result["omni_prefill_tokens"] = engine.prefill_tokens_total - prefill_tokens
             result["level_wall_s"] = round(wall, 1)
             print(json.dumps(result), flush=True)
             report["levels"].append(result)

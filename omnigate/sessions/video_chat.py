@@ -29,7 +29,7 @@ from omnigate.engines.omni.request import FrameInput, TextDelta, ThinkDone, Thin
 from omnigate.sessions.messages import ErrorEvent, MediaChunk, SessionClosed, UtteranceDone
 
 Modality = Literal["text", "audio"]
-QueryStatus = Literal["completed", "cancelled", "error", "max_tokens"]
+QueryStatus = Literal["completed", "cancelled", "error", "max_tokens", "max_context"]
 AudioFormat = Literal["wav", "pcm"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant watching a live camera feed. Answer briefly and conversationally."
@@ -395,7 +395,8 @@ class VideoChatSession:
             elif isinstance(out, ThinkDone):
                 status: QueryStatus = "completed" if out.reason == "completed" else out.reason
                 if out.reason == "error":
-                    actions.append(Emit(ChatError("generation_failed", out.error or "the answer failed")))
+                    code = out.code or "generation_failed"
+                    actions.append(Emit(ChatError(code, out.error or "the answer failed")))
                 actions.extend(self._text_done(query, status))
                 break
         return actions

@@ -187,3 +187,18 @@ async def test_the_load_test_target_records_each_spoken_answer(chat_server: Runn
     assert not trace.errors, trace.error_details
     assert [u.status for u in trace.utterances] == ["completed", "completed"]
     assert all(u.bytes > 0 and u.ttfa_ms is not None for u in trace.utterances)
+
+
+async def test_a_prompt_longer_than_the_thinkers_context_is_refused_typed() -> None:
+    settings = Settings(engine="synthetic", omni_model="preset:tiny", omni_options={"max_context": "32"})
+    with serve(settings) as server:
+        async with connect(server.ws_url + ROUTE) as ws:
+            await send(ws, "session.config", modalities=["text"])  # the system prompt alone is over 32 tokens
+            await send(ws, "video.frame", data=jpeg(3))
+            await send(ws, "video.query", text="What is this?")
+            events = await until_terminal(ws, 0, "response.text.done")
+            [error] = [e for e in events if e["type"] == "error"]
+            assert error["code"] == "context_length_exceeded" and "32 tokens" in error["message"]
+            assert events[-1]["status"] == "error" and events[-1]["text"] == ""
+            await send(ws, "video.done")
+            assert await receive(ws) == {"type": "session.done", "reason": "client_done"}

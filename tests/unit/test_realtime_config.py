@@ -206,7 +206,9 @@ def test_a_response_with_instructions_and_tools_is_accepted() -> None:
 
 def test_duplex_rules() -> None:
     base = default_config(DUPLEX, "preset:tiny")
-    assert base.turn_detection is not None and base.turn_detection.create_response is True
+    assert base.turn_detection is None  # the model takes its own turns
+    vad = update(base, {"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}, caps=DUPLEX)
+    assert vad.turn_detection is not None and vad.turn_detection.create_response is True
     text_only = update(base, {"output_modalities": ["text"]}, caps=DUPLEX)
     assert text_only.output_modalities == ("text",)
     with pytest.raises(ConfigRefused) as refused:

@@ -246,3 +246,20 @@ def test_speech_refused_mid_answer_ends_the_audio_once_and_the_text_goes_on() ->
     assert events(actions) == [ResponseTextDone(think.query, "Hello. World. Again.", "completed")]
     assert not any(isinstance(a, FinishSpeech | CancelSpeech) for a in actions)
     assert not s.answering
+
+
+def test_a_prompt_too_long_for_the_thinker_is_reported_with_its_code() -> None:
+    s = session(modalities=("text",))
+    think = start(s)
+    done = ThinkDone("error", "", 0, "the prompt exceeds the context", "context_length_exceeded")
+    assert events(s.on_think(think.query, [done])) == [
+        ChatError("context_length_exceeded", "the prompt exceeds the context"),
+        ResponseTextDone(think.query, "", "error"),
+    ]
+
+
+def test_an_answer_that_fills_the_context_ends_with_max_context() -> None:
+    s = session(modalities=("text",))
+    think = start(s)
+    actions = s.on_think(think.query, [TextDelta("hi"), ThinkDone("max_context", "hi", 1)])
+    assert events(actions)[-1] == ResponseTextDone(think.query, "hi", "max_context")

@@ -6,8 +6,10 @@ thinker is kept, the talker and vocoder are not loaded) or a thinker-only one, w
 
 :class:`OmniModel` holds the modules and does the tensor work the engine schedules: one frame (an image, repeated
 to the vision encoder's temporal patch) to its vision tokens, 16 kHz audio to audio tokens, token ids to embeddings,
-and one forward of the language model over a session's own cache. Positions are sequential for every token (the
-three rotary sections get the same index), so vision tokens cached per frame stay valid wherever they are placed.
+a prefill of one answer's prompt into its slot of a :class:`~omnigate.engines.kv.slots.SlotKVCache`, and one batched
+decode step over the last token of every answer. Positions are sequential for every token, and the three rotary
+(mrope) sections get the same index, so vision tokens cached per frame stay valid wherever they are placed and the
+multimodal rotary embedding is the ordinary 1-D one: a table of cos/sin per position, built once.
 """
 
 from __future__ import annotations
@@ -21,19 +23,22 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, WhisperFeatureExtractor
-from transformers.cache_utils import DynamicCache
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniForConditionalGeneration,
     Qwen2_5OmniThinkerForConditionalGeneration,
 )
 
+from omnigate.engines.kv.decoder_stack import DecoderStack
+from omnigate.engines.kv.slots import SlotKVCache
 from omnigate.engines.omni.tokenizer import HfTokenizer, PrintableTokenizer, ThinkerTokenizer
 
 log = logging.getLogger(__name__)
 
 PRESET_PREFIX = "preset:"
 AUDIO_RATE = 16_000
+DEFAULT_SLOTS = 16
+DEFAULT_MAX_CONTEXT = 4096
 # CLIP's normalisation, which Qwen's vision encoders were trained with.
 _MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(3, 1, 1)
 _STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(3, 1, 1)
@@ -93,7 +98,13 @@ PRESETS: dict[str, OmniPreset] = {
 
 
 class OmniModel:
-    """A loaded thinker and its tokenizer; every method runs on the engine's worker thread."""
+    """A loaded thinker, its tokenizer and a key/value cache of ``slots`` answers of up to ``max_context`` tokens
+    each (prompt and answer); every method runs on the engine's worker thread.
+
+    The cache is preallocated: ``layers * 2 (keys, values) * kv_heads * head_dim * max_context`` elements per slot,
+    for the 3B shape (36 layers, 2 key/value heads of 128) in bfloat16 36 KiB per token, 144 MiB per slot at the
+    default 4096 tokens (2.4 GiB for 16 slots, 9.1 GiB for 64, each with the cache's scratch slot).
+    """
 
     def __init__(
         self,
@@ -104,7 +115,11 @@ class OmniModel:
         frame_size: int,
         random_weights: bool,
         vocab_limit: int | None = None,
+        slots: int = DEFAULT_SLOTS,
+        max_context: int = DEFAULT_MAX_CONTEXT,
     ) -> None:
+        if slots < 1 or max_context < 1:
+            raise OmniModelError(f"slots ({slots}) and max_context ({max_context}) must be positive")
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.name = name
@@ -120,6 +135,29 @@ class OmniModel:
         mel_bins = int(thinker.config.audio_config.num_mel_bins)
         self._features = WhisperFeatureExtractor(feature_size=mel_bins)  # type: ignore[no-untyped-call]
         self._embed = thinker.get_input_embeddings()
+        text = thinker.model.language_model
+        if "sliding_attention" in text.config.layer_types:
+            raise OmniModelError("sliding-window attention layers are not supported")
+        self.stack = DecoderStack(text.layers, text.norm, text.config)
+        self.cache = SlotKVCache(
+            layers=self.stack.layers,
+            slots=slots,
+            capacity=max_context,
+            kv_heads=self.stack.kv_heads,
+            head_dim=self.stack.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.slots = slots
+        self.max_context = max_context
+        # The thinker's own rotary module over positions (p, p, p) for every p: its cos/sin rows at each position.
+        positions = torch.arange(max_context, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = text.rotary_emb(probe, positions)
+        self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()  # [max_context, head_dim]
+        # The head's rows of the ids that can be sampled (a view): the rest would be computed to be cut off.
+        self._head: torch.Tensor = thinker.lm_head.weight[:vocab_limit]
 
     @property
     def tokens_per_frame(self) -> int:
@@ -165,21 +203,38 @@ class OmniModel:
         result: torch.Tensor = self._embed(torch.tensor([list(ids)], device=self.device))[0]
         return result
 
-    def new_cache(self) -> Any:
-        return DynamicCache(config=self.thinker.config.text_config)
+    def room(self, slot: int) -> int:
+        """Tokens ``slot`` can still take."""
+        return self.max_context - self.cache.length(slot)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (self.stack.norm(x) @ self._head.t()).float()
+        return out
+
+    def _rows(self, x: torch.Tensor, slots: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+        """Append ``x`` (``counts[i]`` rows for ``slots[i]``, in order) to the slots; the last layer's output of each
+        slot's last row. Raises :class:`~omnigate.engines.kv.slots.ContextFull` before writing anything."""
+        rows = self.cache.plan(slots, counts)
+        cos = self.rope_cos.index_select(0, rows.positions)
+        sin = self.rope_sin.index_select(0, rows.positions)
+        out = self.stack.forward(x, self.cache.keys, self.cache.values, rows.slots, rows.positions, cos, sin)
+        self.cache.commit(slots, counts)
+        return out.index_select(0, rows.last)
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Run ``embeds`` ([L, hidden]) after what ``cache`` holds; the next-token logits (float32)."""
-        start = cache.get_seq_length()
-        positions = torch.arange(start, start + embeds.shape[0], device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        out = self.thinker.model(
-            inputs_embeds=embeds[None].to(self.dtype), position_ids=positions, cache=cache, use_cache=True
-        )
-        logits: torch.Tensor = self.thinker.lm_head(out.last_hidden_state[0, -1]).float()
-        if self.vocab_limit is not None:
-            logits = logits[: self.vocab_limit]
-        return logits
+    def prefill(self, slot: int, embeds: torch.Tensor) -> torch.Tensor:
+        """Start ``slot`` over with a prompt (``embeds`` ``[L, hidden]``); the next-token logits ``[vocab]`` (float32,
+        the first ``vocab_limit`` ids). Raises :class:`~omnigate.engines.kv.slots.ContextFull` when ``L`` exceeds
+        ``max_context``."""
+        self.cache.reset(slot)
+        return self._logits(self._rows(embeds.to(self.dtype), [slot], [int(embeds.shape[0])]))[0]
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One step of every answer: append token ``tokens[i]`` (ids ``[B]`` on the device) to ``slots[i]``; the
+        next-token logits ``[B, vocab]`` (float32), in one forward over the B rows."""
+        x = self._embed(tokens.to(self.device)).to(self.dtype)
+        return self._logits(self._rows(x, slots, [1] * len(slots)))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -189,8 +244,17 @@ def _dtype(name: str) -> torch.dtype:
         raise OmniModelError(f"dtype {name!r}: choose float32, bfloat16 or float16") from None
 
 
-def build_preset(name: str, *, seed: int = 0, device: str = "cpu", dtype: str = "float32") -> OmniModel:
-    """Preset ``name`` with weights drawn from ``seed`` on ``device`` and the printable tokenizer."""
+def build_preset(
+    name: str,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    slots: int = DEFAULT_SLOTS,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+) -> OmniModel:
+    """Preset ``name`` with weights drawn from ``seed`` on ``device`` and the printable tokenizer, with a cache of
+    ``slots`` answers of ``max_context`` tokens."""
     try:
         preset = PRESETS[name]
     except KeyError:
@@ -209,10 +273,20 @@ def build_preset(name: str, *, seed: int = 0, device: str = "cpu", dtype: str = 
         frame_size=preset.frame_size,
         random_weights=True,
         vocab_limit=len(tokenizer.eos_ids) + max(tokenizer.eos_ids),
+        slots=slots,
+        max_context=max_context,
     )
 
 
-def load_checkpoint(path: Path, *, device: str = "cpu", dtype: str = "bfloat16", frame_size: int = 336) -> OmniModel:
+def load_checkpoint(
+    path: Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    frame_size: int = 336,
+    slots: int = DEFAULT_SLOTS,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+) -> OmniModel:
     """A local Qwen2.5-Omni checkpoint (whole model or thinker only); only local files are read."""
     if not (path / "config.json").is_file():
         raise OmniModelError(f"{path} is not a checkpoint directory (no config.json)")
@@ -238,21 +312,48 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: str = "bfloat16",
     else:  # a checkpoint saved without a tokenizer (a test's tiny model): printable ids
         tokenizer = PrintableTokenizer(int(thinker.config.text_config.vocab_size))
         limit = len(tokenizer.eos_ids) + max(tokenizer.eos_ids)
-    return OmniModel(thinker, tokenizer, name=str(path), frame_size=frame_size, random_weights=False, vocab_limit=limit)
+    return OmniModel(
+        thinker,
+        tokenizer,
+        name=str(path),
+        frame_size=frame_size,
+        random_weights=False,
+        vocab_limit=limit,
+        slots=slots,
+        max_context=max_context,
+    )
 
 
 def load_omni_model(
-    spec: str, *, seed: int = 0, device: str = "cpu", dtype: str | None = None, frame_size: int | None = None
+    spec: str,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str | None = None,
+    frame_size: int | None = None,
+    slots: int = DEFAULT_SLOTS,
+    max_context: int = DEFAULT_MAX_CONTEXT,
 ) -> OmniModel:
-    """Resolve ``--omni-model``: ``preset:NAME`` or a checkpoint directory (frames resized to ``frame_size``)."""
+    """Resolve ``--omni-model``: ``preset:NAME`` or a checkpoint directory (frames resized to ``frame_size``), with a
+    cache of ``slots`` answers of ``max_context`` tokens each."""
     if frame_size is not None and (frame_size <= 0 or frame_size % 28):
         raise OmniModelError(f"frame_size {frame_size} must be a positive multiple of 28")
     if spec.startswith(PRESET_PREFIX):
-        model = build_preset(spec[len(PRESET_PREFIX) :], seed=seed, device=device, dtype=dtype or "float32")
+        name = spec[len(PRESET_PREFIX) :]
+        model = build_preset(
+            name, seed=seed, device=device, dtype=dtype or "float32", slots=slots, max_context=max_context
+        )
         if frame_size is not None:
             model.frame_size = frame_size
         return model
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise OmniModelError(f"omni model {spec!r} is neither preset:NAME nor a directory")
-    return load_checkpoint(path, device=device, dtype=dtype or "bfloat16", frame_size=frame_size or 336)
+    return load_checkpoint(
+        path,
+        device=device,
+        dtype=dtype or "bfloat16",
+        frame_size=frame_size or 336,
+        slots=slots,
+        max_context=max_context,
+    )

@@ -16,7 +16,10 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-ThinkStop = Literal["completed", "max_tokens", "cancelled", "error"]
+# ``max_context``: the answer filled its slot of the thinker's context (prompt and answer) before it ended.
+ThinkStop = Literal["completed", "max_tokens", "max_context", "cancelled", "error"]
+# The error code of a prompt longer than the thinker's context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class TextDelta(msgspec.Struct, frozen=True, tag="text.delta"):
@@ -24,12 +27,13 @@ class TextDelta(msgspec.Struct, frozen=True, tag="text.delta"):
 
 
 class ThinkDone(msgspec.Struct, frozen=True, tag="think.done"):
-    """The last output of a query."""
+    """The last output of a query; an ``error`` comes with a message and, when the client can act on it, a code."""
 
     reason: ThinkStop
     text: str
     tokens: int
     error: str | None = None
+    code: str | None = None
 
 
 ThinkOutput = TextDelta | ThinkDone

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from omnigate.engines.talker.decoder_stack import DecoderStack
-from omnigate.engines.talker.kv_slots import SlotKVCache
+from omnigate.engines.kv.decoder_stack import DecoderStack
+from omnigate.engines.kv.slots import SlotKVCache
 from omnigate.engines.talker.model import TalkerModel
 from omnigate.engines.talker.prefill_graphs import MIN_BUCKET, PrefillGraphs
 from omnigate.engines.talker.sampling import TokenSampler

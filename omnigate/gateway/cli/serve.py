@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="omni engine option, repeatable: device=cuda, dtype=bfloat16, seed=0, max_sessions=16, frame_size=336 "
-        "(frames are resized to this square, a multiple of 28)",
+        "(frames are resized to this square, a multiple of 28), max_context=4096 (tokens of one answer's prompt and "
+        "answer; the key/value cache holds max_sessions of them)",
     )
     duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
     duplex.add_argument(

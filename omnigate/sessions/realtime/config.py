@@ -119,13 +119,16 @@ def server_response_settings(config: RealtimeConfig) -> ResponseSettings:
 
 
 def default_config(caps: RealtimeCapabilities, model: str) -> RealtimeConfig:
-    return RealtimeConfig(
-        model=model,
-        voice=caps.default_voice,
-        turn_detection=TurnDetection(
+    """A new session's configuration: server VAD on a turn-based engine; none on a natively duplex model, which
+    listens while it speaks and takes its own turns (server VAD there would cancel the model's replies whenever the
+    user talks over them, and score every session's audio for nothing). A duplex client that wants the speech
+    events or server barge-in enables ``server_vad`` with ``session.update``."""
+    turn_detection = None
+    if not caps.native_duplex:
+        turn_detection = TurnDetection(
             settings=TurnDetectionSettings(), create_response=caps.create_response, interrupt_response=True
-        ),
-    )
+        )
+    return RealtimeConfig(model=model, voice=caps.default_voice, turn_detection=turn_detection)
 
 
 def apply_update(

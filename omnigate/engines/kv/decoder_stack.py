@@ -1,10 +1,12 @@
-"""The Llama-style decoder stack of CSM (backbone or depth decoder) run over slot caches, one row per new token.
+"""A Llama-style decoder stack (CSM's backbone and depth decoder, Qwen2's layers) run over slot caches, one row per
+new token.
 
 It reuses the transformers modules' weights, with the q/k/v and the gate/up projections fused into one matrix each
-(the modules' own weights become views into those, so nothing is stored twice). A forward takes any set of tokens,
-each with its cache slot and position: a row writes its key and value at that position and attends over its slot's
-keys up to it, so rows of different streams at different lengths, several new tokens of one stream (a prefill), and
-the fixed-size rows of a CUDA-graph step all share one code path. Every op is a kernel from ``omnigate.kernels``:
+(the modules' own weights become views into those, so nothing is stored twice); Qwen2's q/k/v biases are fused the
+same way and added after the projection. A forward takes any set of tokens, each with its cache slot and position:
+a row writes its key and value at that position and attends over its slot's keys up to it, so rows of different
+streams at different lengths, several new tokens of one stream (a prefill), and the fixed-size rows of a CUDA-graph
+step all share one code path. Every op is a kernel from ``omnigate.kernels``:
 Triton on CUDA, plain torch elsewhere.
 """
 
@@ -24,28 +26,41 @@ from omnigate.kernels.rope import rope_store
 
 
 class UnsupportedLayer(ValueError):
-    """A decoder layer with a feature this forward does not implement (biases, another activation)."""
+    """A decoder layer with a feature this forward does not implement (output or MLP biases, another activation)."""
 
 
 @dataclass(frozen=True)
 class _LayerWeights:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) * D]
     out: torch.Tensor  # [hidden, H * D]
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
 
 
-def _fuse(modules: Sequence[nn.Linear]) -> torch.Tensor:
-    """One ``[sum(out), in]`` matrix whose row blocks become the modules' weights (views, no second copy)."""
-    fused = torch.cat([m.weight.detach() for m in modules])
+def _fuse(modules: Sequence[nn.Linear], name: str = "weight") -> torch.Tensor:
+    """One ``[sum(out), ...]`` tensor whose row blocks become the modules' ``name`` parameters (views, no second
+    copy)."""
+    params = [getattr(m, name) for m in modules]
+    fused = torch.cat([p.detach() for p in params])
     start = 0
-    for module in modules:
-        rows = module.weight.shape[0]
-        module.weight.data = fused[start : start + rows]
+    for param in params:
+        rows = param.shape[0]
+        param.data = fused[start : start + rows]
         start += rows
     return fused
+
+
+def _fuse_bias(modules: Sequence[nn.Linear]) -> torch.Tensor | None:
+    """The modules' biases fused like their weights, or None when none has one."""
+    present = [m.bias is not None for m in modules]
+    if not any(present):
+        return None
+    if not all(present):
+        raise UnsupportedLayer("q/k/v projections must all have biases or none")
+    return _fuse(modules, "bias")
 
 
 class DecoderStack:
@@ -54,7 +69,7 @@ class DecoderStack:
     def __init__(self, layers: Sequence[Any], norm: Any, config: Any) -> None:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(config.head_dim)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedLayer("only SiLU-gated MLPs are supported")
         self._layers: list[_LayerWeights] = []
@@ -62,13 +77,14 @@ class DecoderStack:
         self.scaling = float(layers[0].self_attn.scaling)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(m.bias is not None for m in linears):
-                raise UnsupportedLayer("projection biases are not supported")
+            if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+                raise UnsupportedLayer("output and MLP projection biases are not supported")
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
             self._layers.append(
                 _LayerWeights(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=_fuse((attn.q_proj, attn.k_proj, attn.v_proj)),
+                    qkv=_fuse(qkv),
+                    qkv_bias=_fuse_bias(qkv),
                     out=attn.o_proj.weight,
                     post_norm=layer.post_attention_layernorm.weight,
                     gate_up=_fuse((mlp.gate_proj, mlp.up_proj)),
@@ -105,7 +121,9 @@ class DecoderStack:
         for i, layer in enumerate(self._layers):
             eps_in, eps_post = self._eps[i]
             h = rms_norm(x, layer.input_norm, eps_in)
-            q = rope_store(h @ layer.qkv.t(), cos, sin, keys[i], values[i], slots, positions, self.heads, self.kv_heads)
+            bias = layer.qkv_bias
+            qkv = h @ layer.qkv.t() if bias is None else torch.addmm(bias, h, layer.qkv.t())
+            q = rope_store(qkv, cos, sin, keys[i], values[i], slots, positions, self.heads, self.kv_heads)
             attended = slot_attention(q, keys[i], values[i], slots, lengths, self.scaling)
             x = torch.addmm(x, attended, layer.out.t())
             h = rms_norm(x, layer.post_norm, eps_post)

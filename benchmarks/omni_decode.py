@@ -1,0 +1,148 @@
+"""The omni thinker's decode rate at N answers at once: the engine alone, no gateway, no frames.
+
+At each level N answers (a prompt of ``--prompt-chars`` characters each, ``--max-new-tokens`` at most, sampled at
+temperature 0.7) are submitted before the worker starts, so every step decodes all that are still running. Reports
+the tokens per second of all answers together (the wall time includes the first step's prefills), the decode steps
+per second and the mean answers per step. First it checks the slot-cache forward (the Triton kernels on CUDA) against
+the transformers thinker's own forward on the same device: a prompt, then decode tokens beside a neighbour at
+another length; the report's ``matches_transformers`` gives the largest logit difference relative to the largest
+logit, and whether the top token agrees.
+
+CPU, tiny preset (seconds)::
+
+    python -m benchmarks.omni_decode --levels 1,16,64 --out /tmp/omni_decode.json
+
+GPU, the 3B shape (random weights)::
+
+    python -m benchmarks.omni_decode --model preset:qwen2.5-omni-3b --device cuda --dtype bfloat16 \\
+        --levels 1,16,64 --out $OUT/omni_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnigate.engines.omni.engine import OmniEngine
+from omnigate.engines.omni.model import OmniModel, load_omni_model
+from omnigate.engines.omni.request import ThinkDone, ThinkOutput, ThinkRequest
+
+
+@torch.inference_mode()
+def check_against_transformers(model: OmniModel, prompt_tokens: int = 96, decode_tokens: int = 8) -> dict[str, Any]:
+    """The slot forward against the thinker's own forward (a ``DynamicCache``, sequential positions in all three
+    rotary sections) on the model's device: slot 1 is checked while slot 0 holds a shorter neighbour."""
+    from transformers.cache_utils import DynamicCache
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.vocab_limit or int(model.thinker.config.text_config.vocab_size)
+    ids = torch.randint(0, vocab, (prompt_tokens + decode_tokens,), generator=generator).tolist()
+    cache = DynamicCache(config=model.thinker.config.text_config)
+
+    def reference(embeds: torch.Tensor) -> torch.Tensor:
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + embeds.shape[0], device=model.device).view(1, 1, -1).expand(3, 1, -1)
+        out = model.thinker.model(inputs_embeds=embeds[None], position_ids=positions, cache=cache, use_cache=True)
+        logits: torch.Tensor = model.thinker.lm_head(out.last_hidden_state[0, -1]).float()
+        return logits[:vocab]
+
+    worst = 0.0
+    agree = True
+    model.prefill(0, model.embed(ids[: prompt_tokens // 3]))
+    pairs = [(model.prefill(1, model.embed(ids[:prompt_tokens])), reference(model.embed(ids[:prompt_tokens])))]
+    for i in range(prompt_tokens, prompt_tokens + decode_tokens):
+        batched = model.decode([0, 1], torch.tensor([ids[0], ids[i]]))[1]
+        pairs.append((batched, reference(model.embed([ids[i]]))))
+    for got, want in pairs:
+        got = got.float()[:vocab]
+        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+        agree = agree and int(got.argmax()) == int(want.argmax())
+    for slot in (0, 1):
+        model.cache.reset(slot)
+    return {"relative_max_logit_difference": round(worst, 5), "top_token_agrees": agree, "steps": len(pairs)}
+
+
+async def level(engine: OmniEngine, answers: int, args: argparse.Namespace) -> dict[str, Any]:
+    ended = asyncio.Event()
+    open_answers = [answers]
+    reasons: dict[str, int] = {}
+
+    def sink(batch: list[ThinkOutput]) -> None:
+        for out in batch:
+            if isinstance(out, ThinkDone):
+                reasons[out.reason] = reasons.get(out.reason, 0) + 1
+                open_answers[0] -= 1
+                if not open_answers[0]:
+                    ended.set()
+
+    context = "history " * (args.prompt_chars // 8)
+    tokens, steps, rows = engine.tokens_total, engine.steps, engine.decode_rows_total
+    for i in range(answers):
+        request = ThinkRequest(context, "what now?", max_new_tokens=args.max_new_tokens, temperature=0.7, seed=i)
+        engine.submit(request, sink)
+    started = time.perf_counter()
+    engine.start()
+    await ended.wait()
+    wall = time.perf_counter() - started
+    await asyncio.to_thread(engine.stop)
+    made, stepped = engine.tokens_total - tokens, engine.steps - steps
+    return {
+        "answers": answers,
+        "tokens": made,
+        "steps": stepped,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(made / wall, 1),
+        "steps_per_s": round(stepped / wall, 1),
+        "answers_per_step": round((engine.decode_rows_total - rows) / max(1, stepped), 2),
+        "reasons": reasons,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="preset:tiny", help="--omni-model")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--levels", default="1,16,64", help="answers at once, comma-separated")
+    parser.add_argument("--prompt-chars", type=int, default=160)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "omni_decode.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    levels = [int(x) for x in args.levels.split(",")]
+    model = load_omni_model(args.model, device=args.device, dtype=args.dtype, slots=max(levels))
+    report: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_context": model.max_context,
+        "prompt_chars": args.prompt_chars,
+        "max_new_tokens": args.max_new_tokens,
+        "levels": [],
+    }
+    report["matches_transformers"] = check_against_transformers(model)
+    print(json.dumps({"matches_transformers": report["matches_transformers"]}), flush=True)
+    if hasattr(os, "getloadavg"):
+        report["load_before"] = os.getloadavg()
+    for answers in levels:
+        engine = OmniEngine(model, max_sessions=answers)  # a fresh worker per level (stop ends it)
+        result = asyncio.run(level(engine, answers, args))
+        print(json.dumps(result), flush=True)
+        report["levels"].append(result)
+    if hasattr(os, "getloadavg"):
+        report["load_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
