@@ -38,35 +38,50 @@ from omnigate.engines.omni.request import ThinkDone, ThinkOutput, ThinkRequest
 @torch.inference_mode()
 def check_against_transformers(model: OmniModel, prompt_tokens: int = 96, decode_tokens: int = 8) -> dict[str, Any]:
     """The slot forward against the thinker's own forward (a ``DynamicCache``, sequential positions in all three
-    rotary sections) on the model's device: slot 1 is checked while slot 0 holds a shorter neighbour."""
+    rotary sections) on the model's device: slot 1 is checked while slot 0 holds a shorter neighbour. Below float32
+    both are also compared with a float32 copy of the thinker, which says how much of a difference is the dtype's."""
+    import copy
+
     from transformers.cache_utils import DynamicCache
 
     generator = torch.Generator().manual_seed(0)
     vocab = model.vocab_limit or int(model.thinker.config.text_config.vocab_size)
     ids = torch.randint(0, vocab, (prompt_tokens + decode_tokens,), generator=generator).tolist()
-    cache = DynamicCache(config=model.thinker.config.text_config)
+    pieces = [ids[:prompt_tokens]] + [[i] for i in ids[prompt_tokens:]]
 
-    def reference(embeds: torch.Tensor) -> torch.Tensor:
-        start = cache.get_seq_length()
-        positions = torch.arange(start, start + embeds.shape[0], device=model.device).view(1, 1, -1).expand(3, 1, -1)
-        out = model.thinker.model(inputs_embeds=embeds[None], position_ids=positions, cache=cache, use_cache=True)
-        logits: torch.Tensor = model.thinker.lm_head(out.last_hidden_state[0, -1]).float()
-        return logits[:vocab]
+    def transformers_logits(thinker: Any) -> list[torch.Tensor]:
+        cache = DynamicCache(config=thinker.config.text_config)
+        embed = thinker.get_input_embeddings()
+        out_logits = []
+        for piece in pieces:
+            start = cache.get_seq_length()
+            positions = torch.arange(start, start + len(piece), device=model.device).view(1, 1, -1).expand(3, 1, -1)
+            embeds = embed(torch.tensor([piece], device=model.device))
+            out = thinker.model(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
+            out_logits.append(thinker.lm_head(out.last_hidden_state[0, -1]).float()[:vocab])
+        return out_logits
 
-    worst = 0.0
-    agree = True
-    model.prefill(0, model.embed(ids[: prompt_tokens // 3]))
-    pairs = [(model.prefill(1, model.embed(ids[:prompt_tokens])), reference(model.embed(ids[:prompt_tokens])))]
-    for i in range(prompt_tokens, prompt_tokens + decode_tokens):
-        batched = model.decode([0, 1], torch.tensor([ids[0], ids[i]]))[1]
-        pairs.append((batched, reference(model.embed([ids[i]]))))
-    for got, want in pairs:
-        got = got.float()[:vocab]
-        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
-        agree = agree and int(got.argmax()) == int(want.argmax())
+    model.prefill(0, model.embed(ids[: prompt_tokens // 3]))  # a neighbour at another length shares every step
+    slots = [model.prefill(1, model.embed(pieces[0])).float()[:vocab]]
+    for piece in pieces[1:]:
+        slots.append(model.decode([0, 1], torch.tensor([ids[0], piece[0]]))[1].float()[:vocab])
     for slot in (0, 1):
         model.cache.reset(slot)
-    return {"relative_max_logit_difference": round(worst, 5), "top_token_agrees": agree, "steps": len(pairs)}
+
+    def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, Any]:
+        worst = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-6)) for g, w in zip(got, want, strict=True))
+        agree = sum(int(g.argmax()) == int(w.argmax()) for g, w in zip(got, want, strict=True))
+        return {"relative_max_logit_difference": round(worst, 5), "top_token_agrees": f"{agree}/{len(got)}"}
+
+    same_dtype = transformers_logits(model.thinker)
+    report: dict[str, Any] = {"slots_vs_transformers": compare(slots, same_dtype)}
+    if model.dtype != torch.float32:
+        reference = copy.deepcopy(model.thinker).float()
+        full = transformers_logits(reference)
+        del reference
+        report["slots_vs_transformers_float32"] = compare(slots, full)
+        report["transformers_vs_transformers_float32"] = compare(same_dtype, full)
+    return report
 
 
 async def level(engine: OmniEngine, answers: int, args: argparse.Namespace) -> dict[str, Any]:
