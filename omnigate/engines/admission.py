@@ -194,17 +194,20 @@ class AdmissionController:
         batch = min(self.max_batch, max(1, math.ceil(streams / self.workers)))
         return slope * streams + fixed * streams / (batch * audio_per_stream_step)
 
-    def headroom(self, now: float, slack_s: float | None = None) -> int:
-        """How many more streams the workers would carry now, beyond the active ones. ``slack_s``: how far ahead of
-        its deadline runs the most pressed stream that got ahead of its playback and now waits for a worker."""
+    def headroom(self, now: float, slack_s: float | None = None, limit: int | None = None) -> int:
+        """How many more streams the workers would carry now, beyond the active ones (at most ``limit``).
+        ``slack_s``: how far ahead of its deadline runs the most pressed stream that got ahead of its playback and
+        now waits for a worker. Each stream counted prices the load once more, so a caller that only asks whether
+        one more fits passes ``limit=1`` (a full count at a thousand streams takes milliseconds)."""
         self._expire(now)
         carried = self.active
+        room = self.max_streams - carried if limit is None else min(self.max_streams - carried, limit)
         if self.settings.policy == "slots":
-            return max(0, self.max_streams - self.active)
+            return max(0, room)
         if now < self._closed_until or (slack_s is not None and slack_s < self.settings.min_slack_s):
-            return 1 if carried == 0 else 0  # an idle pool always takes one stream (see _fits)
+            return min(room, 1) if carried == 0 else 0  # an idle pool always takes one stream (see _fits)
         extra = 0
-        while carried + extra < self.max_streams and self._fits(carried, extra, self.settings.target_load):
+        while extra < room and self._fits(carried, extra, self.settings.target_load):
             extra += 1
         return extra
 
@@ -218,7 +221,7 @@ class AdmissionController:
             # it may use the margin, not more: the young streams' bursts must still fit the workers.
             ok = self.active < self.max_streams and self._fits(self.active, 0, 1.0)
         else:
-            ok = self.headroom(now, slack_s) > 0
+            ok = self.headroom(now, slack_s, limit=1) > 0
         if not ok:
             self.refused_total += 1
         return ok

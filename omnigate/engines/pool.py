@@ -222,6 +222,14 @@ class EnginePool:
             free = max(0, self.info.max_sessions - len(self._streams))
             return min(free, self.admission.headroom(now, self._slack_locked(now)))
 
+    def has_free_slot(self) -> bool:
+        """Whether the pool would admit one more stream now (:attr:`free_slots` > 0, without counting them all)."""
+        with self._cond:
+            now = time.monotonic()
+            if len(self._streams) >= self.info.max_sessions:
+                return False
+            return self.admission.headroom(now, self._slack_locked(now), limit=1) > 0
+
     @property
     def queue_depth(self) -> int:
         """Streams that could run now but are waiting for a worker."""

@@ -57,6 +57,10 @@ class EnginePoolAPI(Protocol[S]):
     @property
     def free_slots(self) -> int: ...
 
+    def has_free_slot(self) -> bool:
+        """Whether one more stream would be admitted now: ``free_slots > 0``, cheaper where counting them is not."""
+        ...
+
     @property
     def queue_depth(self) -> int: ...
 

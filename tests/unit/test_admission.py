@@ -172,6 +172,9 @@ def test_a_batched_engine_shares_its_fixed_step_cost() -> None:
     for t, batch in enumerate([1, 4, 16, 32, 8, 2] * 5):
         admission.observe_step(t * 0.1, 0.020 + 0.001 * batch, 80.0 * batch, batch)
     assert admission.headroom(3.0) == 60
+    # A caller asking whether one more fits stops counting there; a limit above the headroom changes nothing.
+    assert admission.headroom(3.0, limit=1) == 1 and admission.headroom(3.0, limit=100) == 60
+    assert admission.admits(3.0)
     # Young streams are priced at their burst: three rows each until they are ahead.
     bursty = AdmissionController(1, max_streams=1000, max_batch=512, settings=AdmissionSettings(target_load=1.0))
     for t, batch in enumerate([1, 4, 16, 32, 8, 2] * 5):

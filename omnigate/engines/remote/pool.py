@@ -282,6 +282,9 @@ class RemoteEnginePool:
     def free_slots(self) -> int:
         return self.router.free_slots
 
+    def has_free_slot(self) -> bool:
+        return self.free_slots > 0
+
     @property
     def replicas_up(self) -> int:
         return self.router.replicas_up
@@ -503,6 +506,9 @@ class PinnedView:
     @property
     def free_slots(self) -> int:
         return self._pool.free_slots
+
+    def has_free_slot(self) -> bool:
+        return self.free_slots > 0
 
     @property
     def queue_depth(self) -> int:

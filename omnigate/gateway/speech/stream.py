@@ -62,7 +62,7 @@ async def speech_stream_endpoint(ws: WebSocket) -> None:
         return
     try:
         with gateway.registry.admit(TRANSPORT) as lease:
-            if gateway.settings.admission == "headroom" and gateway.pool.free_slots == 0:
+            if gateway.settings.admission == "headroom" and not gateway.pool.has_free_slot():
                 # No headroom: a new session would make the admitted ones late (sessions already here keep theirs).
                 message = "the engine has no headroom for another session; retry shortly"
                 await _refuse(ws, "engine_busy", message, 1013, gateway.settings.retry_after_s)
