@@ -85,6 +85,7 @@ PY
 # With an engine core, serve is a supervisor: the gateway workers (started with --attach-core) serve the sessions;
 # the supervisor starts them in order, so the lowest pid is worker 0.
 gateway_pids=$(pgrep -P "$supervisor" -f -- "--attach-core" | sort -n | tr '\n' ' ')
+gateway_pids=${gateway_pids% }
 worker=${gateway_pids%% *}
 [ -n "$worker" ] && server=$worker
 echo "server ready after $(( $(date +%s) - started )) s (measured pid $server, gateway workers: ${gateway_pids:-none}," \
