@@ -17,7 +17,13 @@
 #   the level as a voice agent's do (one turn per session made every client reconnect seconds apart, and a client
 #   reconnecting before the server released its previous session was refused at the session limit)
 #   ENGINE_PROCESS=auto (serve --engine-process: auto puts the duplex clock in an engine-core process on CUDA; core
-#   or inline force it; with a core, the server figures (CPU, memory, threads) are the gateway worker's)
+#   or inline force it)
+#   WORKERS=0 (serve --workers: with an engine core, 0 starts one gateway worker per 4 available cores, at most 4;
+#   the workers share the port, so each connection and each WebRTC call lands on one of them)
+# Which process is measured: with an engine core, the load test's server figures (--server-pid: CPU, memory, the
+# loop thread) and the thread counts are gateway worker 0's (the first child started with --attach-core), ONE of
+# the workers; threads.txt adds, per level, the CPU seconds of the whole serve tree (supervisor, engine core and
+# every gateway worker) and of each gateway worker, read from /proc before and after the level.
 # CPU dry run: BENCH_MODEL=preset:tiny BENCH_DEVICE=cpu BENCH_DTYPE=float32 BENCH_MAX_SESSIONS=4 WS_LEVELS="1 2" \
 #   WEBRTC_LEVELS="1 2" WEBRTC_SESSIONS_PER_CLIENT=1 DURATION=6 WARMUP=1 RAMP=1 DRAIN=8 \
 #   benchmarks/realtime_server_gpu.sh /tmp/realtime_dry
@@ -36,10 +42,11 @@ port="${PORT:-8765}"
 turns="${TURNS:-100}"
 python="${PYTHON:-python3}"
 engine_process="${ENGINE_PROCESS:-auto}"
+workers="${WORKERS:-0}"
 mkdir -p "$out"
 started=$(date +%s)
 echo "model=$model device=$device dtype=$dtype max_sessions=$max_sessions ws_levels='$ws_levels'" \
-    "webrtc_levels='$webrtc_levels' engine_process=$engine_process duration=$duration warmup=$warmup ramp=$ramp" \
+    "webrtc_levels='$webrtc_levels' engine_process=$engine_process workers=$workers duration=$duration warmup=$warmup ramp=$ramp" \
     "drain=$drain sessions_per_webrtc_client=$per_client turns=$turns uptime: $(uptime)" | tee "$out/run.txt"
 # Fail in seconds, not after the model has loaded, when the image lacks a package the run needs.
 "$python" - <<'PY' || exit 1
@@ -55,7 +62,7 @@ for name in needed:
 sys.exit("missing packages: " + ", ".join(missing) if missing else 0)
 PY
 "$python" -m omnigate.gateway.cli serve --engine duplex --model "$model" -E device="$device" -E dtype="$dtype" \
-    -E max_sessions="$max_sessions" --engine-process "$engine_process" --port "$port" \
+    -E max_sessions="$max_sessions" --engine-process "$engine_process" --workers "$workers" --port "$port" \
     --webrtc-host-address 127.0.0.1 --log-level warning >"$out/server.log" 2>&1 &
 supervisor=$!
 trap 'kill -INT $supervisor 2>/dev/null; wait $supervisor' EXIT
@@ -75,22 +82,37 @@ for _ in range(1200):
         time.sleep(0.5)
 sys.exit("server not ready after 10 minutes")
 PY
-# With an engine core, serve is a supervisor: the gateway worker (started with --attach-core) serves the sessions.
-worker=$(pgrep -P "$supervisor" -f -- "--attach-core" | head -n 1)
+# With an engine core, serve is a supervisor: the gateway workers (started with --attach-core) serve the sessions;
+# the supervisor starts them in order, so the lowest pid is worker 0.
+gateway_pids=$(pgrep -P "$supervisor" -f -- "--attach-core" | sort -n | tr '\n' ' ')
+gateway_pids=${gateway_pids% }
+worker=${gateway_pids%% *}
 [ -n "$worker" ] && server=$worker
-echo "server ready after $(( $(date +%s) - started )) s (serving pid $server, serve pid $supervisor)" \
-    | tee -a "$out/run.txt"
+echo "server ready after $(( $(date +%s) - started )) s (measured pid $server, gateway workers: ${gateway_pids:-none}," \
+    "serve pid $supervisor)" | tee -a "$out/run.txt"
+hz=$(getconf CLK_TCK)
+cpu_of() { for pid in "$@"; do awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null; done \
+    | awk -v hz="$hz" '{s += $1} END {printf "%.2f", s / hz}'; }
+tree_cpu() { cpu_of "$supervisor" $(pgrep -P "$supervisor"); }
+workers_cpu() { local pid; for pid in $gateway_pids; do printf '%s ' "$(cpu_of "$pid")"; done; }
+cpu_before() { tree_before=$(tree_cpu); workers_before=$(workers_cpu); }
+cpu_report() {  # the level's CPU seconds: the whole serve tree, then each gateway worker
+    local after=($(workers_cpu)) before=($workers_before) i each=""
+    for i in "${!after[@]}"; do each="$each$(awk -v a="${after[$i]}" -v b="${before[$i]:-0}" 'BEGIN {printf "%.2f", a - b}') "; done
+    echo "cpu_s tree $(awk -v a="$(tree_cpu)" -v b="$tree_before" 'BEGIN {printf "%.2f", a - b}') workers ${each:-n/a}"
+}
 levels=(--duration "$duration" --warmup "$warmup" --ramp "$ramp" --drain "$drain" --utterances-per-session "$turns")
 threads() { ls "/proc/$server/task" | wc -l; }
 for n in $ws_levels; do
-    before=$(threads)
+    before=$(threads); cpu_before
     "$python" -m omnigate.loadtest.cli run "ws://127.0.0.1:$port/v1/realtime#append_ms=40" --target realtime \
         --sessions "$n" "${levels[@]}" --server-pid "$server" --out "$out/realtime_$n.json" >"$out/realtime_$n.log" 2>&1
-    echo "realtime level $n: rc=$? server threads $before -> $(threads) at $(( $(date +%s) - started )) s" \
-        | tee -a "$out/threads.txt"
+    rc=$?
+    echo "realtime level $n: rc=$rc server threads $before -> $(threads) $(cpu_report)" \
+        "at $(( $(date +%s) - started )) s" | tee -a "$out/threads.txt"
 done
 for n in $webrtc_levels; do
-    before=$(threads)
+    before=$(threads); cpu_before
     clients=$(( (n + per_client - 1) / per_client ))
     pids=()
     for ((i = 0; i < clients; i++)); do
@@ -103,6 +125,7 @@ for n in $webrtc_levels; do
     done
     rcs=""; for pid in "${pids[@]}"; do wait "$pid"; rcs="$rcs$?,"; done
     echo "realtime-webrtc level $n ($clients client processes): rc=${rcs%,} server threads $before -> $(threads)" \
+        "$(cpu_report)" \
         "at $(( $(date +%s) - started )) s" | tee -a "$out/threads.txt"
 done
 "$python" -m benchmarks.realtime_server_summary "$out"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
@@ -34,15 +36,28 @@ INFO = EngineInfo(
 
 
 class Core:
-    """What the mirror sent, as frames, and a way to answer it."""
+    """What the mirror sent, as frames, and a way to answer it. While ``answering``, each open is answered as the
+    core would, at once: admitted, or refused with ``refusal``."""
 
     def __init__(self) -> None:
         self.decoder = FrameDecoder()
         self.sent: list[Frame] = []
+        self.answering = True
+        self.refusal: DuplexEnded | None = None
         self.mirror = DuplexMirror(
             DuplexInfo(info=INFO, sample_rate=24000, frame_s=0.08, retry_after_s=3.0, stats=ClockStats(ticks=7)),
-            lambda data: self.sent.extend(self.decoder.feed(data)),
+            self._receive,
         )
+
+    def _receive(self, data: bytes) -> None:
+        frames = self.decoder.feed(data)
+        self.sent.extend(frames)
+        for frame in frames:
+            if frame.kind is FrameKind.DUPLEX_OPEN and self.answering:
+                if self.refusal is None:
+                    self.mirror.receive(Frame(FrameKind.DUPLEX_OPENED, frame.call, b""))
+                else:
+                    self.mirror.receive(Frame(FrameKind.DUPLEX_ENDED, frame.call, ENCODER.encode(self.refusal)))
 
     def kinds(self) -> list[tuple[FrameKind, int]]:
         sent, self.sent = self.sent, []
@@ -70,12 +85,62 @@ class Sink:
         self.ended.append((code, message))
 
 
+async def test_the_core_admits_a_session_no_matter_what_this_gateway_holds() -> None:
+    core, sink = Core(), Sink()
+    core.refusal = DuplexEnded("resource_exhausted", "all 2 duplex sessions are in use", 5.0)  # another gateway's
+    with pytest.raises(DuplexFull) as full:
+        await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    assert full.value.retry_after_s == 5.0
+    assert core.kinds() == [(FrameKind.DUPLEX_OPEN, 1)] and core.mirror.active_sessions == 0
+    assert core.mirror.stats.sessions == 0
+    core.refusal = DuplexEnded("shutting_down", "the engine core is shutting down")
+    with pytest.raises(DuplexClosed):
+        await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    core.refusal = None
+    session = await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    assert core.mirror.active_sessions == 1 and not session.closed
+
+
+async def test_an_open_the_core_has_not_answered_yet() -> None:
+    core, sink = Core(), Sink()
+    core.answering = False
+    opening = core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    opening.send(None)  # runs until it waits for the core's answer
+    (sent,) = core.sent
+    core.kinds()
+    core.mirror.receive(Frame(FrameKind.DUPLEX_OPENED, sent.call, b""))
+    # A frame the core made before the opener resumed: nobody could hear it, its credit goes back.
+    core.tick((sent.call, 0, 0.0))
+    assert sink.frames == [] and core.kinds() == [(FrameKind.DUPLEX_GRANT, sent.call)]
+    with pytest.raises(StopIteration) as opened:
+        opening.send(None)
+    session = opened.value.value
+    core.tick((session.id, 0, 0.0))
+    assert len(sink.frames) == 1
+    # The connection drops while an open waits: its opener is refused typed, no end handler runs.
+    waiting = core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=sink.end)
+    waiting.send(None)
+    core.mirror.lost("the engine core closed the connection")
+    with pytest.raises(DuplexUnavailable):
+        waiting.send(None)
+    assert sink.ended == [] and core.mirror.active_sessions == 0
+    # An opener cancelled while it waits tells the core to close what it may have opened.
+    core.mirror.attached(DuplexInfo(info=INFO, sample_rate=24000, frame_s=0.08, retry_after_s=3.0, stats=ClockStats()))
+    core.kinds()
+    cancelled = core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    cancelled.send(None)
+    with pytest.raises(asyncio.CancelledError):
+        cancelled.throw(asyncio.CancelledError())
+    ((_, opened_id), close) = core.kinds()
+    assert close == (FrameKind.DUPLEX_CLOSE, opened_id) and core.mirror.active_sessions == 0
+
+
 async def test_admission_is_exact_and_a_close_reaches_the_core_before_the_next_open() -> None:
     core, sink = Core(), Sink()
-    first = core.mirror.open_session(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, seed=9)
-    second = core.mirror.open_session(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    first = await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, seed=9)
+    second = await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
     with pytest.raises(DuplexFull) as full:
-        core.mirror.open_session(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+        await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
     assert full.value.retry_after_s == 3.0 and full.value.max_sessions == 2
     opened = core.sent[0]
     assert msgspec.msgpack.decode(opened.body, type=DuplexOpen) == DuplexOpen(FRAME_BYTES, 4, 9)
@@ -83,7 +148,7 @@ async def test_admission_is_exact_and_a_close_reaches_the_core_before_the_next_o
     assert core.mirror.stats.sessions == 2 and core.mirror.stats.ticks == 7
     core.mirror.close_session(first)
     core.mirror.close_session(first)  # idempotent: one close goes out
-    third = core.mirror.open_session(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    third = await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
     assert core.kinds() == [(FrameKind.DUPLEX_CLOSE, first.id), (FrameKind.DUPLEX_OPEN, third.id)]
     assert third.id not in (first.id, second.id)
     core.mirror.grant(third, 2)
@@ -91,12 +156,12 @@ async def test_admission_is_exact_and_a_close_reaches_the_core_before_the_next_o
     assert grant.kind is FrameKind.DUPLEX_GRANT and msgspec.msgpack.decode(grant.body, type=DuplexGrant).frames == 2
     core.mirror.shutdown()
     with pytest.raises(DuplexClosed):
-        core.mirror.open_session(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+        await core.mirror.admit(sink.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
 
 
 async def test_input_is_refused_past_the_cap_until_the_core_says_it_was_consumed() -> None:
     core, sink = Core(), Sink()
-    session = core.mirror.open_session(sink.frame, max_input_bytes=3 * FRAME_BYTES, initial_credit_frames=4)
+    session = await core.mirror.admit(sink.frame, max_input_bytes=3 * FRAME_BYTES, initial_credit_frames=4)
     core.kinds()
     assert core.mirror.push_audio(session, bytes(2 * FRAME_BYTES))
     assert core.mirror.push_audio(session, bytes(FRAME_BYTES))
@@ -121,8 +186,8 @@ async def test_input_is_refused_past_the_cap_until_the_core_says_it_was_consumed
 
 async def test_frames_reach_their_sessions_and_stats_are_copied_in_place() -> None:
     core, one, two = Core(), Sink(), Sink()
-    first = core.mirror.open_session(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
-    second = core.mirror.open_session(two.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    first = await core.mirror.admit(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+    second = await core.mirror.admit(two.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
     stats = core.mirror.stats
     core.tick((first.id, 0, 0.0), (second.id, 0, 0.0), (999, 0, 0.0))  # an unknown session's frame is dropped
     assert len(one.frames) == len(two.frames) == 1
@@ -138,8 +203,8 @@ async def test_frames_reach_their_sessions_and_stats_are_copied_in_place() -> No
 
 async def test_a_lost_core_ends_every_session_typed_and_refuses_new_ones_until_it_is_back() -> None:
     core, one, two = Core(), Sink(), Sink()
-    first = core.mirror.open_session(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=one.end)
-    core.mirror.open_session(two.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=two.end)
+    first = await core.mirror.admit(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=one.end)
+    await core.mirror.admit(two.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=two.end)
     core.kinds()
     core.mirror.lost("the engine core closed the connection")
     assert (
@@ -148,13 +213,13 @@ async def test_a_lost_core_ends_every_session_typed_and_refuses_new_ones_until_i
         == [("engine_unavailable", "the duplex engine stopped: the engine core closed the connection")]
     )
     with pytest.raises(DuplexUnavailable) as unavailable:
-        core.mirror.open_session(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
+        await core.mirror.admit(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4)
     assert unavailable.value.retry_after_s == 3.0
     assert core.mirror.push_audio(first, bytes(10 * FRAME_BYTES))  # an ended session's input goes nowhere
     core.mirror.close_session(first)
     assert core.kinds() == [] and core.mirror.active_sessions == 0
     core.mirror.attached(DuplexInfo(info=INFO, sample_rate=24000, frame_s=0.08, retry_after_s=3.0, stats=ClockStats()))
-    back = core.mirror.open_session(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=one.end)
+    back = await core.mirror.admit(one.frame, max_input_bytes=FRAME_BYTES, initial_credit_frames=4, on_end=one.end)
     assert core.kinds() == [(FrameKind.DUPLEX_OPEN, back.id)]
     # The core ends a session itself (a refusal, or a failed step): it hears the core's code once.
     core.mirror.receive(Frame(FrameKind.DUPLEX_ENDED, back.id, ENCODER.encode(DuplexEnded("engine_error", "failed"))))

@@ -30,11 +30,17 @@ def test_a_negative_worker_count_is_refused() -> None:
         serve.engine_process(Settings(workers=-1))
 
 
-def test_a_duplex_engine_runs_in_a_core_on_cuda_with_one_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve, "available_cpus", lambda: 64)
+@pytest.mark.parametrize(("cpus", "expected"), [(2, 1), (8, 2), (16, 4), (128, 4)])
+def test_a_duplex_engine_runs_in_a_core_on_cuda_with_workers_by_the_cores(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, expected: int
+) -> None:
+    monkeypatch.setattr(serve, "available_cpus", lambda: cpus)
     on_gpu = Settings(engine="duplex", engine_options={"device": "cuda"})
     assert serve.engine_process(on_gpu) == "core"
-    assert serve.gateway_workers(on_gpu, "core") == 1  # automatic workers: one for a duplex core
+    assert serve.gateway_workers(on_gpu, "core") == expected  # automatic workers: like the talker's
+
+
+def test_a_duplex_engine_picks_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve.engine_process(Settings(engine="duplex")) == "inline"  # the CPU default stays in the gateway
     assert serve.engine_process(Settings(engine="duplex", engine_process="core")) == "core"
     assert serve.engine_process(Settings(engine="duplex", engine_options={"device": "cuda:0"})) == "core"
@@ -42,9 +48,13 @@ def test_a_duplex_engine_runs_in_a_core_on_cuda_with_one_gateway(monkeypatch: py
     assert serve.engine_process(inline) == "inline"
 
 
-def test_a_duplex_engine_refuses_several_gateway_workers() -> None:
-    with pytest.raises(ValueError, match="--workers above 1 cannot serve a duplex engine"):
-        serve.engine_process(Settings(engine="duplex", engine_process="core", workers=2))
+def test_a_duplex_engine_serves_several_gateway_workers_from_a_core() -> None:
+    given = Settings(engine="duplex", engine_process="core", workers=3)
+    assert serve.engine_process(given) == "core"
+    assert serve.gateway_workers(given, "core") == 3
+    assert serve.engine_process(Settings(engine="duplex", workers=2)) == "core"  # auto: workers need a core
+    with pytest.raises(ValueError, match="--workers above 1 needs --engine-process core"):
+        serve.engine_process(Settings(engine="duplex", engine_process="inline", workers=2))
 
 
 def test_ray_keeps_the_engine_inline() -> None:

@@ -1,10 +1,12 @@
 """The gateway's mirror of its duplex sessions on an engine core: the :class:`DuplexEngineApi` answers, kept locally.
 
-Every call comes on the gateway's event loop and must answer at once, so the mirror keeps what the engine would
-know: the sessions (admission against the engine's slots is exact because one gateway process serves a duplex core),
-and each session's unconsumed input, from the bytes sent and the bytes the core says it finished with (consumed
-by a tick or dropped by a clear). The core handles a session's messages in order, so the input the mirror counts
-is never below what the core holds when the next audio arrives: the core never refuses input the mirror accepted.
+Admission is the core's: several gateway processes may share its slots, so :meth:`DuplexMirror.admit` sends the
+open and waits for the core's answer (DUPLEX_OPENED, or DUPLEX_ENDED with the refusal) before the session is
+announced. Every other call comes on the gateway's event loop and must answer at once, so the mirror keeps what the
+engine would know of its sessions: each session's unconsumed input, from the bytes sent and the bytes the core says
+it finished with (consumed by a tick or dropped by a clear). The core handles a session's messages in order, so the
+input the mirror counts is never below what the core holds when the next audio arrives: the core never refuses
+input the mirror accepted.
 Grants, clears and closes are messages the mirror sends without waiting. Sans I/O: bytes go out through ``send``,
 frames from the core come in through :meth:`DuplexMirror.receive`.
 """
@@ -51,6 +53,7 @@ class MirroredSession(DuplexSession):
 
     input_sent: int = 0  # input bytes accepted and sent to the core
     input_done: int = 0  # of those, the bytes known consumed or dropped
+    admitting: bool = True  # until its opener resumed: frames before that are dropped, their credit returned
 
 
 class DuplexMirror:
@@ -65,6 +68,7 @@ class DuplexMirror:
         self._copy_stats(hello.stats)
         self._send = send
         self._sessions: dict[int, MirroredSession] = {}  # bounded by info.max_sessions
+        self._answers: dict[int, asyncio.Future[None]] = {}  # the core's answer to each open not yet answered
         self._ids = itertools.count(1)
         self.connected = True
         self._lost_reason = ""
@@ -76,7 +80,7 @@ class DuplexMirror:
 
     # ---- DuplexEngineApi ----------------------------------------------------------------------------------------
 
-    def open_session(
+    async def admit(
         self,
         sink: FrameSink,
         *,
@@ -85,28 +89,39 @@ class DuplexMirror:
         seed: int | None = None,
         on_end: SessionEnd | None = None,
     ) -> DuplexSession:
-        """Admit a session on the core. Raises DuplexFull, DuplexClosed, or DuplexUnavailable while the core is
+        """Open a session on the core once the core says it holds a slot for it. Raises DuplexFull (the core's
+        slots are taken, whichever gateway took them), DuplexClosed, or DuplexUnavailable while the core is
         unreachable."""
         if self._closing:
             raise DuplexClosed()
         if not self.connected:
             raise DuplexUnavailable(f"the duplex engine is not reachable: {self._lost_reason}", self.retry_after_s)
-        if len(self._sessions) >= self.info.max_sessions:
+        if len(self._sessions) >= self.info.max_sessions:  # this gateway alone holds every slot
             raise DuplexFull(self.info.max_sessions, self.retry_after_s)
+        loop = asyncio.get_running_loop()
         session = MirroredSession(
             id=next(self._ids),
             slot=-1,
             seed=-1 if seed is None else seed,
             sink=sink,
-            loop=asyncio.get_running_loop(),
+            loop=loop,
             max_input_bytes=max_input_bytes,
             credit_frames=initial_credit_frames,
             on_end=on_end,
         )
+        answer: asyncio.Future[None] = loop.create_future()
+        self._answers[session.id] = answer
         self._sessions[session.id] = session
         request = DuplexOpen(max_input_bytes, initial_credit_frames, seed)
         self._send(encode_frame(FrameKind.DUPLEX_OPEN, session.id, ENCODER.encode(request)))
         self.stats.sessions = len(self._sessions)
+        try:
+            await answer
+        except BaseException:  # refused (forgotten already), or the opener was cancelled: the core frees the slot
+            self._answers.pop(session.id, None)
+            self.close_session(session)
+            raise
+        session.admitting = False
         return session
 
     def push_audio(self, session: DuplexSession, pcm: bytes) -> bool:
@@ -150,6 +165,7 @@ class DuplexMirror:
     def shutdown(self) -> None:
         """Admit nothing more and close every session."""
         self._closing = True
+        self._refuse_waiting(DuplexClosed())
         for session in list(self._sessions.values()):
             self.close_session(session)
 
@@ -161,10 +177,20 @@ class DuplexMirror:
             self._deliver(_decode(frame.body, DuplexTick))
         elif frame.kind is FrameKind.DUPLEX_STATS:
             self._copy_stats(_decode(frame.body, ClockStats))
+        elif frame.kind is FrameKind.DUPLEX_OPENED:
+            answer = self._answers.pop(frame.call, None)
+            if answer is not None and not answer.done():
+                answer.set_result(None)
         elif frame.kind is FrameKind.DUPLEX_ENDED:
             ended = _decode(frame.body, DuplexEnded)
             session = self._sessions.get(frame.call)
-            if session is not None:
+            answer = self._answers.pop(frame.call, None)
+            if answer is not None:
+                if session is not None:
+                    self._forget(session)
+                if not answer.done():
+                    answer.set_exception(self._refusal(ended))
+            elif session is not None:
                 self._end(session, ended.code, ended.message)
         else:
             raise FrameError(f"the engine core may not send {frame.kind.name} on a duplex connection")
@@ -174,6 +200,7 @@ class DuplexMirror:
         until :meth:`attached`."""
         self.connected = False
         self._lost_reason = reason
+        self._refuse_waiting(DuplexUnavailable(f"the duplex engine stopped: {reason}", self.retry_after_s))
         for session in list(self._sessions.values()):
             self._end(session, LOST_CODE, f"the duplex engine stopped: {reason}")
 
@@ -193,6 +220,24 @@ class DuplexMirror:
         self._sessions.pop(session.id, None)
         self.stats.sessions = len(self._sessions)
 
+    def _refuse_waiting(self, error: Exception) -> None:
+        """Sessions whose open the core has not answered: their openers raise ``error`` (no end handler runs)."""
+        answers, self._answers = self._answers, {}
+        for call, answer in answers.items():
+            session = self._sessions.get(call)
+            if session is not None:
+                self._forget(session)
+            if not answer.done():
+                answer.set_exception(error)
+
+    def _refusal(self, ended: DuplexEnded) -> Exception:
+        retry_after_s = ended.retry_after_s if ended.retry_after_s is not None else self.retry_after_s
+        if ended.code == "resource_exhausted":
+            return DuplexFull(self.info.max_sessions, retry_after_s)
+        if ended.code == "shutting_down":
+            return DuplexClosed()
+        return DuplexUnavailable(ended.message, retry_after_s)
+
     def _end(self, session: MirroredSession, code: str, message: str) -> None:
         self._forget(session)
         if session.on_end is not None:
@@ -207,6 +252,9 @@ class DuplexMirror:
             if session is None:
                 continue  # closed here after the core made the frame
             session.input_done = max(session.input_done, item.input_done)
+            if session.admitting:  # made before the session was announced: nobody hears it, its credit returns
+                self.grant(session, 1)
+                continue
             session.ticks += 1
             try:
                 session.sink(item.frame)
@@ -214,7 +262,8 @@ class DuplexMirror:
                 log.exception("a duplex session's frame sink raised")
 
     def _copy_stats(self, stats: ClockStats) -> None:
-        # In place: the gateway's metrics hold this object. The session count is this gateway's, which is exact.
+        # In place: the gateway's metrics hold this object. The session count stays this gateway's own (the core's
+        # counts every gateway's sessions; the rest of the counters are the engine's).
         sessions = self.stats.sessions
         for item in fields(ClockStats):
             setattr(self.stats, item.name, getattr(stats, item.name))

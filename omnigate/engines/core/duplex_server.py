@@ -5,7 +5,8 @@ sessions' sinks one after the other; each sink only files its frame, and one flu
 tick as ONE message per connection (up to :data:`TICK_FRAMES_PER_MESSAGE` sessions). Writes never wait: what a
 connection buffers is bounded by the credit its sessions were granted (a session without credit sits the tick out)
 plus one stats message, skipped while the gateway is not reading. A connection that drops closes its sessions at
-once, freeing their slots.
+once, freeing their slots. Every open is answered (DUPLEX_OPENED, or DUPLEX_ENDED with the refusal): the core's
+slots are shared by every gateway connection, so only the core can admit exactly.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class DuplexLink:
             self._ended(call, DuplexEnded("shutting_down", "the engine core is shutting down"))
             return
         served = self._served[call] = _Served(session)
+        self._send(encode_frame(FrameKind.DUPLEX_OPENED, call))
 
     def _ended(self, call: int, ended: DuplexEnded) -> None:
         self._send(encode_frame(FrameKind.DUPLEX_ENDED, call, ENCODER.encode(ended)))

@@ -42,6 +42,7 @@ class FrameKind(enum.IntEnum):
     DUPLEX_TICK = 16  # every frame one tick made for the connection's sessions: a ``DuplexTick``; call 0
     DUPLEX_ENDED = 17  # the core ended the session (refused, or its step failed): a ``DuplexEnded``
     DUPLEX_STATS = 18  # the clock's counters (a ``ClockStats``), at most once a second; call 0
+    DUPLEX_OPENED = 19  # the session ``call`` holds a slot (the answer to DUPLEX_OPEN that admits it); empty body
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)

@@ -167,6 +167,21 @@ class DuplexEngine(Engine):
         with self._cond:
             return len(self._sessions)
 
+    async def admit(
+        self,
+        sink: FrameSink,
+        *,
+        max_input_bytes: int,
+        initial_credit_frames: int,
+        seed: int | None = None,
+        on_end: SessionEnd | None = None,
+    ) -> DuplexSession:
+        """:meth:`open_session`, as the gateway's sessions call it (an engine core's client awaits the core here);
+        the slots are this process's, so it answers at once."""
+        return self.open_session(
+            sink, max_input_bytes=max_input_bytes, initial_credit_frames=initial_credit_frames, seed=seed, on_end=on_end
+        )
+
     def open_session(
         self,
         sink: FrameSink,

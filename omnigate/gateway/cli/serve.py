@@ -116,14 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a Unix socket (their event loops never share a GIL with the engine); inline: in the gateway process; "
         "auto: core for the talker, for --engine duplex on CUDA (-E device=cuda) and whenever --workers is above "
         "1, inline otherwise (Ray is always inline; a --duplex-model beside a text-to-speech engine runs in the "
-        "gateway process; a duplex core is served by one gateway process)",
+        "gateway process, one per gateway worker)",
     )
     eng.add_argument(
         "--workers",
         type=int,
         default=_DEFAULTS.workers,
         help="gateway processes sharing the port (SO_REUSEPORT), all attached to one engine core; 0 (the default): "
-        f"with an engine core, one per {CORES_PER_WORKER} available cores up to {MAX_AUTO_WORKERS}, else 1",
+        f"with an engine core, one per {CORES_PER_WORKER} available cores up to {MAX_AUTO_WORKERS}, else 1 (a duplex "
+        "core admits every worker's sessions against its own slots)",
     )
     eng.add_argument("--attach-core", default=None, help=argparse.SUPPRESS)  # set by serve for its workers
     eng.add_argument("--ray-address", default=None, help="with --engine-pool ray: the cluster, HOST:PORT")
@@ -499,16 +500,9 @@ def engine_process(settings: Settings) -> str:
                 "replicas run on the Ray cluster"
             )
         return "inline"
-    if settings.engine == "duplex":
-        if settings.workers > 1:
-            raise ValueError(
-                "--workers above 1 cannot serve a duplex engine: one gateway process serves its sessions, so that "
-                "their admission and input caps stay exact (the engine core's clock carries the model's load)"
-            )
-        if choice == "auto":
-            # On a GPU the clock must not wait for the GIL that the gateway's loop holds; on a CPU they share cores.
-            return "core" if settings.engine_options.get("device", "cpu").startswith("cuda") else "inline"
-        return choice
+    if settings.engine == "duplex" and choice == "auto" and settings.workers <= 1:
+        # On a GPU the clock must not wait for the GIL that the gateway's loop holds; on a CPU they share cores.
+        return "core" if settings.engine_options.get("device", "cpu").startswith("cuda") else "inline"
     if choice == "auto":
         return "core" if settings.engine == "talker" or settings.workers > 1 else "inline"
     if choice == "inline" and settings.workers > 1:
@@ -522,7 +516,7 @@ def gateway_workers(settings: Settings, where: str) -> int:
     bounds the engine core's capacity at ~400 talker sessions, four carry ~630: docs/benchmarks/talker_gpu_wave2.md)."""
     if settings.workers > 0:
         return settings.workers
-    if where != "core" or settings.engine == "duplex":
+    if where != "core":
         return 1
     return max(1, min(MAX_AUTO_WORKERS, available_cpus() // CORES_PER_WORKER))
 

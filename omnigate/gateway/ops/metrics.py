@@ -122,8 +122,15 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
 
 
 def _duplex_metrics(stats: ClockStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
-    """The duplex engine's tick clock: whether ticks keep the 80 ms frame, how they ran, what they carried."""
-    yield GaugeMetricFamily("omnigate_duplex_sessions", "Live duplex sessions", value=stats.sessions)
+    """The duplex engine's tick clock: whether ticks keep the 80 ms frame, how they ran, what they carried. With an
+    engine core the clock's counters are engine-wide (every gateway worker gets them), the sessions gauge is the
+    scraped process's own."""
+    yield GaugeMetricFamily(
+        "omnigate_duplex_sessions",
+        "Live duplex sessions of this gateway process (with several gateway workers, each counts its own; the "
+        "clock's other counters are engine-wide)",
+        value=stats.sessions,
+    )
     ticks = CounterMetricFamily(
         "omnigate_duplex_ticks", "Ticks of the duplex clock, by how the model ran", labels=["mode"]
     )

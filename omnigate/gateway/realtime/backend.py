@@ -66,10 +66,16 @@ class Backend(abc.ABC):
 
     capabilities: RealtimeCapabilities
     sample_rate: int
+    admits_async = False  # True when reserve() may wait for the engine (a transport then binds asynchronously)
+
+    async def reserve(self) -> None:
+        """Take the engine capacity the session needs, before it is announced. Raises SessionRefused. By default
+        nothing: the engine admits in :meth:`start`."""
+        return
 
     @abc.abstractmethod
     def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
-        """Bind the engine for this session. Raises SessionRefused or ConfigRefused."""
+        """Bind the engine for this session (after :meth:`reserve`). Raises SessionRefused or ConfigRefused."""
 
     @abc.abstractmethod
     def reconfigure(self, config: RealtimeConfig) -> None:

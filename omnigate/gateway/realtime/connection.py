@@ -137,6 +137,10 @@ class RealtimeConnection:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
+    async def reserve(self) -> None:
+        """Take the engine capacity the session needs (before :meth:`open`). Raises SessionRefused."""
+        await self.backend.reserve()
+
     def open(self) -> None:
         """Bind the engine and announce the session. Raises SessionRefused when the engine cannot take it."""
         self.backend.start(self, self.core.config)

@@ -40,7 +40,7 @@ class DuplexEngineApi(Protocol):
     frame_s: float
     stats: ClockStats
 
-    def open_session(
+    async def admit(
         self,
         sink: FrameSink,
         *,
@@ -48,7 +48,9 @@ class DuplexEngineApi(Protocol):
         initial_credit_frames: int,
         seed: int | None = None,
         on_end: SessionEnd | None = None,
-    ) -> DuplexSession: ...
+    ) -> DuplexSession:
+        """Open a session once the engine holds a slot for it. Raises DuplexFull, DuplexClosed, DuplexUnavailable."""
+        ...
 
     def push_audio(self, session: DuplexSession, pcm: bytes) -> bool: ...
 
@@ -62,7 +64,10 @@ class DuplexEngineApi(Protocol):
 
 
 class DuplexBackend(Backend):
-    """One realtime session on a duplex engine."""
+    """One realtime session on a duplex engine: :meth:`reserve` takes its slot (on an engine core, the core's
+    answer is awaited, so admission stays exact with several gateway processes), :meth:`start` binds it."""
+
+    admits_async = True
 
     def __init__(self, engine: DuplexEngineApi, *, input_max_bytes: int, outbox_ms: float, turn_end_ms: float) -> None:
         self.engine = engine
@@ -77,11 +82,13 @@ class DuplexBackend(Backend):
         self._sink: ResponseSink | None = None
         self._response: Response | None = None
         self._released_ms = 0.0
+        self._released = False
 
-    def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
-        self._sink = sink
+    async def reserve(self) -> None:
+        if self._session is not None:
+            return
         try:
-            self._session = self.engine.open_session(
+            self._session = await self.engine.admit(
                 self._on_frame,
                 max_input_bytes=self._input_max_bytes,
                 initial_credit_frames=self._credit_frames,
@@ -93,6 +100,13 @@ class DuplexBackend(Backend):
             raise SessionRefused("engine_unavailable", str(exc), exc.retry_after_s) from None
         except DuplexClosed:
             raise SessionRefused("shutting_down", "the server is shutting down") from None
+        if self._released:  # released while the engine answered
+            self.engine.close_session(self._session)
+
+    def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
+        if self._session is None:
+            raise RuntimeError("a duplex session is started after reserve() took its slot")
+        self._sink = sink
 
     def reconfigure(self, config: RealtimeConfig) -> None:
         """The model's voice is its own and it has no speed control: the config rules refuse changes to them."""
@@ -128,6 +142,7 @@ class DuplexBackend(Backend):
             self._grant(frames)
 
     def release(self) -> None:
+        self._released = True
         if self._session is not None:
             self.engine.close_session(self._session)
         self._sink = None  # the session refers to this backend: no cycle outlives the session

@@ -68,6 +68,7 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
                 reports=service.reports,
             )
             try:
+                await connection.reserve()
                 connection.open()
             except SessionRefused as exc:
                 connection.release()

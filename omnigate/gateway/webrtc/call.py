@@ -90,6 +90,7 @@ class WebRtcCall:
         self.realtime_service = realtime
         self.model = model
         self.realtime: RealtimeChannel | None = None
+        self._admitting = False  # a realtime channel waits for the engine to take its session
         self.lease = lease
         self.telemetry = telemetry
         # The track's lead counts toward the bound on generated audio not yet heard.
@@ -225,7 +226,7 @@ class WebRtcCall:
         return self.realtime.epoch if self.realtime is not None else self.driver.session.epoch
 
     def _on_datachannel(self, channel: RTCDataChannel) -> None:
-        in_use = self._channel is not None or self.realtime is not None
+        in_use = self._channel is not None or self.realtime is not None or self._admitting
         if channel.label == SPEECH_CHANNEL and not in_use:
             self._bind_speech_channel(channel)
         elif channel.label == REALTIME_CHANNEL and not in_use:
@@ -260,6 +261,40 @@ class WebRtcCall:
             responder=service.responder,
             reports=service.reports,
         )
+        if not route.backend.admits_async:
+            self._open_realtime(channel, connection, EarlyMessages())
+            return
+        # The engine answers first (an engine core's slots are shared by every gateway worker); the channel's
+        # messages wait for the session to be announced.
+        early = EarlyMessages()
+        self._admitting = True
+        channel.on("message", early.hold)
+        self._spawn(self._admit_realtime(channel, connection, early))
+
+    async def _admit_realtime(
+        self,
+        channel: RTCDataChannel,
+        connection: RealtimeConnection,
+        early: EarlyMessages,
+    ) -> None:
+        try:
+            await connection.reserve()
+        except SessionRefused as exc:
+            connection.release()
+            _refuse_channel(channel, _realtime_refusal(exc.code, exc.message))
+            return
+        except BaseException:  # the call closed meanwhile
+            connection.release()
+            raise
+        finally:
+            self._admitting = False
+            channel.remove_listener("message", early.hold)
+        if self._closed or self.driver.closed:
+            connection.release()
+            return
+        self._open_realtime(channel, connection, early)
+
+    def _open_realtime(self, channel: RTCDataChannel, connection: RealtimeConnection, early: EarlyMessages) -> None:
         try:
             connection.open()
         except SessionRefused as exc:
@@ -276,6 +311,14 @@ class WebRtcCall:
             opus_bitrate=self.settings.webrtc_opus_bitrate,
             stall_timeout_s=self.settings.stall_timeout_s,
         )
+        for message in early.messages:
+            self.realtime.receive_message(message)
+        if early.dropped:
+            connection.protocol_error(
+                "too_many_messages",
+                f"{early.dropped} messages sent before the session was created were dropped (at most "
+                f"{MAX_EARLY_MESSAGES} are kept)",
+            )
         self.lease.driver = None
         self.lease.drain_target = connection  # a drain closes idle sessions at once, responding ones when done
         # The speech session never configured ends here; its writer returns and run() serves the realtime one.
@@ -359,6 +402,23 @@ class WebRtcCall:
             self._end_reason = "stalled"
             self._abort("stalled", "stalled")
         return result == "sent"
+
+
+MAX_EARLY_MESSAGES = 64  # a realtime channel's messages kept while the engine takes its session
+
+
+class EarlyMessages:
+    """A realtime channel's messages that arrive while the engine takes its session, in order, bounded."""
+
+    def __init__(self) -> None:
+        self.messages: list[str | bytes] = []
+        self.dropped = 0
+
+    def hold(self, message: str | bytes) -> None:
+        if len(self.messages) < MAX_EARLY_MESSAGES:
+            self.messages.append(message)
+        else:
+            self.dropped += 1
 
 
 _IN_USE_MESSAGE = "a call carries one protocol: the 'speech' or the 'oai-events' data channel, not both"

@@ -86,7 +86,7 @@ class RealtimeChannel:
         self._stream: RtcOpusStream | None = None
         self._playing: str | None = None  # the response whose audio is on the track
         self._gone = asyncio.Event()
-        channel.on("message", self._on_message)
+        channel.on("message", self.receive_message)
         channel.on("close", lambda: self.end("client_disconnected"))
 
     @property
@@ -125,7 +125,8 @@ class RealtimeChannel:
         if not writer.cancelled():
             writer.result()  # the writer's own failure, if any
 
-    def _on_message(self, message: str | bytes) -> None:
+    def receive_message(self, message: str | bytes) -> None:
+        """One data-channel message."""
         if isinstance(message, bytes):
             self.connection.protocol_error("invalid_message", "binary messages are not accepted; send JSON text")
         else:
