@@ -257,9 +257,11 @@ class WebRtcTarget(Target):
     async def open(self) -> None:
         if is_loopback_url(self.spec.url):
             use_loopback_candidates()
+        # Every call sets up on a connection of its own, as calls from different browsers do: a kept-alive
+        # connection would take every call of this client process to the one gateway worker that accepted it.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             trust_env=False,
             headers=self.auth_headers(),
         )
