@@ -63,13 +63,11 @@ def test_a_loaded_checkpoint_uses_it_too(tmp_path: Path) -> None:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_segments_of_mixed_lengths_come_back_in_order() -> None:
+@pytest.mark.parametrize("lengths", [[5, 3, 5, 0, 7, 3, 5], [4, 4, 4, 4, 4, 4, 4]])
+def test_segments_of_mixed_lengths_come_back_in_order(lengths: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
-    lengths = [5, 3, 5, 0, 7, 3, 5]
     total = sum(lengths)
     q, k, v = (torch.randn(1, 2, total, 8, generator=gen) for _ in range(3))
-    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
-    out, _ = segmented_sdpa(torch.nn.Module(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     expected = torch.cat(
         [
             F.scaled_dot_product_attention(qs, ks, vs, scale=0.3).transpose(1, 2)
@@ -77,8 +75,16 @@ def test_segments_of_mixed_lengths_come_back_in_order() -> None:
         ],
         dim=1,
     )
-    assert out.shape == (1, total, 2, 8)
-    torch.testing.assert_close(out, expected)
+    other = [total // 2, total - total // 2]  # another segmentation of the same rows, between uses of the first
+    for segments in (lengths, other, lengths):
+        cu = torch.tensor([0, *np.cumsum(segments).tolist()], dtype=torch.int32)
+        for _ in range(2):  # the second call with the same tensor takes its groups from the recent ones
+            out, _ = segmented_sdpa(torch.nn.Module(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+            assert out.shape == (1, total, 2, 8)
+            if segments is lengths:
+                torch.testing.assert_close(out, expected)
+            else:
+                assert not torch.allclose(out, expected)
 
 
 def test_a_requested_flash_attention_is_left_alone() -> None:

@@ -16,6 +16,7 @@ hands the attention function ``cu_seq_lens_q`` instead of splitting the sequence
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -57,6 +58,33 @@ def _plan(lengths: tuple[int, ...], device: torch.device) -> tuple[_Group, ...]:
     return tuple(groups)
 
 
+class _RecentSegments:
+    """The groups of the last few ``cu_seqlens`` tensors, by identity: the encoder passes the same two tensors (windows,
+    whole frames) to every layer of a call, so their lengths are read from the device (a sync) once per call, not once
+    per layer. Holding each tensor keeps its ``id`` from being reused while it is a key."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: dict[int, tuple[torch.Tensor, tuple[_Group, ...]]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, cu_seqlens: torch.Tensor) -> tuple[_Group, ...]:
+        with self._lock:
+            entry = self._entries.get(id(cu_seqlens))
+        if entry is not None and entry[0] is cu_seqlens:
+            return entry[1]
+        lengths = tuple(int(n) for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if n > 0)
+        groups = _plan(lengths, cu_seqlens.device)
+        with self._lock:
+            while len(self._entries) >= self._size:
+                del self._entries[next(iter(self._entries))]
+            self._entries[id(cu_seqlens)] = (cu_seqlens, groups)
+        return groups
+
+
+_segments = _RecentSegments(size=8)
+
+
 def segmented_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -81,12 +109,8 @@ def segmented_sdpa(
     ):
         raise ValueError("segmented attention needs the same segments for queries and keys")
     heads, total, dim = query.shape[1:]
-    if cu_seq_lens_q is None:
-        lengths: tuple[int, ...] = (total,)
-    else:
-        lengths = tuple(int(n) for n in (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist() if n > 0)
+    groups = _plan((total,), query.device) if cu_seq_lens_q is None else _segments(cu_seq_lens_q)
     q, k, v = query[0], key[0], value[0]  # [heads, S, dim]
-    groups = _plan(lengths, query.device)
 
     def attend(group: _Group, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
         # [heads, n*L, dim] -> [n, heads, L, dim] -> attention -> [n*L, heads, dim]
