@@ -32,6 +32,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from omnigate.engines.kv.decoder_stack import DecoderStack
 from omnigate.engines.kv.slots import SlotKVCache
 from omnigate.engines.omni.tokenizer import HfTokenizer, PrintableTokenizer, ThinkerTokenizer
+from omnigate.engines.omni.vision_attention import use_segmented_attention
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class OmniModel:
         self.patch = int(vision.patch_size)
         self.merge = int(vision.spatial_merge_size)
         self.temporal_patch = int(vision.temporal_patch_size)
+        # One batched attention call per window length instead of one per window (unless flash is requested).
+        use_segmented_attention(thinker.model.visual.config)
         self.device = next(thinker.parameters()).device
         self.dtype = next(thinker.parameters()).dtype
         mel_bins = int(thinker.config.audio_config.num_mel_bins)
