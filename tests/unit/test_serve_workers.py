@@ -61,3 +61,12 @@ def test_ray_keeps_the_engine_inline() -> None:
     assert serve.engine_process(Settings(engine_pool="ray")) == "inline"
     with pytest.raises(ValueError, match="--engine-pool ray"):
         serve.engine_process(Settings(engine_pool="ray", engine_process="core"))
+
+
+def test_engines_loaded_in_each_gateway_process_keep_one_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "available_cpus", lambda: 16)
+    beside = Settings(engine="talker", omni_model="preset:tiny")
+    assert serve.gateway_workers(beside, serve.engine_process(beside)) == 1  # not one thinker per worker
+    with pytest.raises(ValueError, match=r"--omni-model.*--workers 1"):
+        serve.gateway_workers(Settings(engine="talker", omni_model="preset:tiny", workers=4), "core")
+    assert serve.gateway_workers(Settings(engine="talker"), "core") == 4

@@ -514,11 +514,28 @@ def gateway_workers(settings: Settings, where: str) -> int:
     """The gateway processes to start: ``--workers``, or with 0 and an engine core, one per
     ``CORES_PER_WORKER`` cores this process may use, at most ``MAX_AUTO_WORKERS`` (on the H200, one gateway process
     bounds the engine core's capacity at ~400 talker sessions, four carry ~630: docs/benchmarks/talker_gpu_wave2.md)."""
+    side = gateway_process_engines(settings)
+    if side and settings.workers > 1:
+        raise ValueError(
+            f"{', '.join(side)} load their engines into every gateway worker: --workers {settings.workers} would "
+            "load them that many times (on one GPU); use --workers 1, or serve them from a server of their own"
+        )
     if settings.workers > 0:
         return settings.workers
-    if where != "core":
+    if where != "core" or side:
         return 1
     return max(1, min(MAX_AUTO_WORKERS, available_cpus() // CORES_PER_WORKER))
+
+
+def gateway_process_engines(settings: Settings) -> list[str]:
+    """The options whose engines run inside each gateway process rather than in the engine core."""
+    options = {
+        "--duplex-model": settings.duplex_model,
+        "--video-model": settings.video_model,
+        "--omni-model": settings.omni_model,
+        "--robot-model": settings.robot_model,
+    }
+    return [name for name, value in options.items() if value is not None]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -528,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         where = engine_process(settings)
+        workers = gateway_workers(settings, where)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     problem = exposure_problem(settings)
@@ -537,7 +555,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if where == "core" and settings.core_socket is None:
         from omnigate.gateway.cli.supervisor import supervise
 
-        workers = gateway_workers(settings, where)
         logging.getLogger(__name__).info(
             "engine core with %d gateway worker(s) on http://%s:%d", workers, settings.host, settings.port
         )
