@@ -112,7 +112,12 @@ def server_threads() -> dict[int, str]:
 async def one_session(server: RunningServer, speech_event: str) -> None:
     async with connect(server.ws_url + "/v1/realtime", compression=None, max_size=None) as ws:
         async with asyncio.timeout(READ_LIMIT_S):
-            assert json.loads(await ws.recv())["type"] == "session.created"
+            created = json.loads(await ws.recv())
+            assert created["type"] == "session.created"
+            if created["session"]["capabilities"]["native_duplex"]:
+                # A duplex session starts without server VAD; asked for, it runs the same resampler and scoring.
+                vad = {"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
+                await ws.send(json.dumps({"type": "session.update", "session": vad}))
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": speech_event}))
             while json.loads(await ws.recv())["type"] != "input_audio_buffer.speech_started":
                 pass
