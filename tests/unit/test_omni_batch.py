@@ -115,8 +115,12 @@ def requests() -> dict[str, ThinkRequest]:
     }
 
 
-async def answers(names: list[str]) -> tuple[dict[str, ThinkDone], OmniEngine]:
-    engine = OmniEngine(build_preset("tiny", seed=4, slots=3, max_context=256))
+def tiny_model() -> OmniModel:
+    return build_preset("tiny", seed=4, slots=3, max_context=256)
+
+
+async def answers(names: list[str], model: OmniModel | None = None) -> tuple[dict[str, ThinkDone], OmniEngine]:
+    engine = OmniEngine(model or tiny_model())
     collector = Collector()
     for name in names:  # submitted before the worker starts: admitted together, decoded in the same steps
         engine.submit(requests()[name], collector.sink(name))
@@ -136,6 +140,16 @@ async def test_answers_decoded_together_equal_each_answer_decoded_alone() -> Non
         alone, _ = await answers([name])
         a, t = alone[name], together[name]
         assert (a.reason, a.text, a.tokens) == (t.reason, t.text, t.tokens)
+
+
+async def test_the_warm_up_leaves_no_trace_in_the_answers() -> None:
+    names = list(requests())
+    cold, _ = await answers(names)
+    model = tiny_model()
+    model.warm_up()
+    assert all(model.cache.length(slot) == 0 for slot in range(3))
+    warm, _ = await answers(names, model)
+    assert {n: (d.reason, d.text) for n, d in warm.items()} == {n: (d.reason, d.text) for n, d in cold.items()}
 
 
 async def test_slots_are_returned_when_answers_end_and_are_reused() -> None:

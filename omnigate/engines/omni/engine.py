@@ -131,6 +131,7 @@ class OmniEngine:
             slots=sessions,
             max_context=int(options.get("max_context", str(DEFAULT_MAX_CONTEXT))),
         )
+        model.warm_up()
         return cls(model, max_sessions=sessions)
 
     @property

@@ -189,6 +189,31 @@ class OmniModel:
         return [t.detach() for t in out.pooler_output]
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every stage once before the first question: the vision and audio encoders, a prefill and decode steps
+        at the batch sizes of powers of two up to the slots (kernels compile and GEMM algorithms settle on first
+        use, which would otherwise land on the first question's answer). Leaves every slot empty."""
+        self.encode_frames([np.zeros((self.frame_size, self.frame_size, 3), np.uint8)])
+        self.encode_audio(bytes(2 * AUDIO_RATE // 2))
+        length = min(8, self.max_context - 1)  # a prompt, and room for one decoded token
+        if length < 1:
+            return
+        prompt = self.embed([0] * length)
+        batch = 1
+        while True:
+            slots = list(range(batch))
+            for slot in slots:
+                self.prefill(slot, prompt)
+            self.decode(slots, torch.zeros(batch, dtype=torch.long, device=self.device))
+            if batch >= self.slots:
+                break
+            batch = min(2 * batch, self.slots)
+        for slot in range(self.slots):
+            self.cache.reset(slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
     def encode_audio(self, pcm16: bytes) -> torch.Tensor:
         """Audio tokens (25 per second) of mono s16le 16 kHz audio, at most 30 s of it (the encoder's window)."""
         samples = np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
