@@ -7,23 +7,19 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from omnigate.engines.base import EngineError, SynthesisParams
 from omnigate.engines.duplex.engine import DuplexEngine
 from omnigate.engines.duplex.session import DuplexFrame, DuplexFull
+from tests.unit.duplex_engines import tiny_duplex_engine
 
 FRAME_BYTES = 2 * 1920
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[DuplexEngine]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    duplex = DuplexEngine.load("preset:tiny", max_sessions=2, retry_after_s=3)
-    yield duplex
-    duplex.shutdown()
-    torch.set_num_threads(threads)
+    with tiny_duplex_engine() as duplex:
+        yield duplex
 
 
 class Frames:

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-import torch
 
 from omnigate.engines.core.duplex_protocol import (
     ENCODER,
@@ -21,18 +20,15 @@ from omnigate.engines.core.duplex_protocol import (
 from omnigate.engines.core.duplex_server import DuplexLink
 from omnigate.engines.core.framing import Frame, FrameDecoder, FrameError, FrameKind
 from omnigate.engines.duplex.engine import DuplexEngine
+from tests.unit.duplex_engines import tiny_duplex_engine
 
 FRAME_BYTES = 2 * 1920
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[DuplexEngine]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    duplex = DuplexEngine.load("preset:tiny", max_sessions=2, retry_after_s=3)
-    yield duplex
-    duplex.shutdown()
-    torch.set_num_threads(threads)
+    with tiny_duplex_engine() as duplex:
+        yield duplex
 
 
 class Gateway:
