@@ -13,11 +13,9 @@ import asyncio
 import contextlib
 import logging
 
-import msgspec
-
 from omnigate.engines.core.client import READ_BYTES
 from omnigate.engines.core.duplex_mirror import DuplexMirror
-from omnigate.engines.core.duplex_protocol import DuplexInfo
+from omnigate.engines.core.duplex_protocol import DuplexInfo, decode_body
 from omnigate.engines.core.framing import FrameDecoder, FrameError, FrameKind, encode_frame
 
 log = logging.getLogger(__name__)
@@ -38,10 +36,7 @@ async def _hello(socket_path: str, timeout_s: float) -> tuple[Connection, Duplex
                     first = frames[0]
                     if first.kind is not FrameKind.DUPLEX_INFO or len(frames) > 1:
                         raise FrameError(f"the engine core answered DUPLEX_HELLO with {first.kind.name}")
-                    try:
-                        return (reader, writer, decoder), msgspec.msgpack.decode(first.body, type=DuplexInfo)
-                    except msgspec.DecodeError as exc:
-                        raise FrameError(f"a malformed DuplexInfo: {exc}") from None
+                    return (reader, writer, decoder), decode_body(first.body, DuplexInfo)
             raise ConnectionResetError("the engine core closed the connection")
         except BaseException:
             writer.close()

@@ -18,9 +18,6 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TypeVar
-
-import msgspec
 
 from omnigate.engines.core.duplex_protocol import (
     ENCODER,
@@ -29,6 +26,7 @@ from omnigate.engines.core.duplex_protocol import (
     DuplexInfo,
     DuplexOpen,
     DuplexTick,
+    decode_body,
 )
 from omnigate.engines.core.framing import MAX_FRAME_BYTES, Frame, FrameError, FrameKind, encode_frame
 from omnigate.engines.duplex.session import (
@@ -174,15 +172,15 @@ class DuplexMirror:
     def receive(self, frame: Frame) -> None:
         """One frame from the core. Raises :class:`FrameError` for one the core may not send."""
         if frame.kind is FrameKind.DUPLEX_TICK:
-            self._deliver(_decode(frame.body, DuplexTick))
+            self._deliver(decode_body(frame.body, DuplexTick))
         elif frame.kind is FrameKind.DUPLEX_STATS:
-            self._copy_stats(_decode(frame.body, ClockStats))
+            self._copy_stats(decode_body(frame.body, ClockStats))
         elif frame.kind is FrameKind.DUPLEX_OPENED:
             answer = self._answers.pop(frame.call, None)
             if answer is not None and not answer.done():
                 answer.set_result(None)
         elif frame.kind is FrameKind.DUPLEX_ENDED:
-            ended = _decode(frame.body, DuplexEnded)
+            ended = decode_body(frame.body, DuplexEnded)
             session = self._sessions.get(frame.call)
             answer = self._answers.pop(frame.call, None)
             if answer is not None:
@@ -268,13 +266,3 @@ class DuplexMirror:
         for item in fields(ClockStats):
             setattr(self.stats, item.name, getattr(stats, item.name))
         self.stats.sessions = sessions
-
-
-_M = TypeVar("_M", DuplexTick, DuplexEnded, ClockStats)
-
-
-def _decode(body: bytes, kind: type[_M]) -> _M:
-    try:
-        return msgspec.msgpack.decode(body, type=kind)
-    except msgspec.DecodeError as exc:
-        raise FrameError(f"a malformed {kind.__name__}: {exc}") from None

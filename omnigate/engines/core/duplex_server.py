@@ -16,9 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from omnigate.engines.core.duplex_protocol import (
     ENCODER,
@@ -29,6 +27,7 @@ from omnigate.engines.core.duplex_protocol import (
     DuplexOpen,
     DuplexTick,
     SessionFrame,
+    decode_body,
 )
 from omnigate.engines.core.framing import Frame, FrameError, FrameKind, encode_frame
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession
@@ -41,7 +40,6 @@ log = logging.getLogger(__name__)
 # Past this much unsent output the gateway is not reading: a stats message waits for the next interval.
 STATS_BACKLOG_BYTES = 1024 * 1024
 
-_M = TypeVar("_M", DuplexOpen, DuplexGrant)
 
 # A tick's frames cross as one message up to this many sessions (an 80 ms frame is ~4 KB: ~2 MB, well within a
 # frame's bound); a larger engine's tick goes as several.
@@ -79,7 +77,7 @@ class DuplexLink:
         if kind is FrameKind.DUPLEX_OPEN:
             if call in self._served:
                 raise FrameError(f"duplex session {call} is already open")
-            self._open(call, _decode(frame.body, DuplexOpen))
+            self._open(call, decode_body(frame.body, DuplexOpen))
             return
         served = self._served.get(call)
         if served is None:
@@ -90,7 +88,7 @@ class DuplexLink:
         elif kind is FrameKind.DUPLEX_CLEAR:
             served.input_done += self._engine.clear_input(served.session)
         elif kind is FrameKind.DUPLEX_GRANT:
-            self._engine.grant(served.session, _decode(frame.body, DuplexGrant).frames)
+            self._engine.grant(served.session, decode_body(frame.body, DuplexGrant).frames)
         elif kind is FrameKind.DUPLEX_CLOSE:
             del self._served[call]
             self._engine.close_session(served.session)
@@ -173,10 +171,3 @@ class DuplexLink:
                 last = body
                 with contextlib.suppress(ConnectionError, OSError):
                     self._send(encode_frame(FrameKind.DUPLEX_STATS, 0, body))
-
-
-def _decode(body: bytes, kind: type[_M]) -> _M:
-    try:
-        return msgspec.msgpack.decode(body, type=kind)
-    except msgspec.DecodeError as exc:
-        raise FrameError(f"a malformed {kind.__name__}: {exc}") from None
