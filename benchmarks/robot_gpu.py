@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnigate.engines.policy.engine import PolicyEngine, PolicyStream
+from omnigate.engines.policy.engine import PolicyEngine
 from omnigate.engines.policy.model import Pi0Dims
 from omnigate.engines.policy.pool import PolicyPool, PolicyReply
-from omnigate.engines.policy.spec import Observation
+from omnigate.engines.policy.spec import Observation, PolicyStream
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """Engine families by name: ``omnigate serve --engine NAME --model SPEC`` resolves here.
 
-Each loader imports its family lazily, so the gateway starts without torch unless a model engine is chosen.
+Each loader imports its family lazily, so the gateway starts without torch unless a model engine is chosen; the
+optional extra each family needs is in :mod:`omnigate.engines.extras`, which ``omnigate serve`` checks at startup.
 """
 
 from __future__ import annotations

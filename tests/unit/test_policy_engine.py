@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnigate.engines.policy.checkpoint import CheckpointError, Normalization, load_checkpoint, save_checkpoint
-from omnigate.engines.policy.engine import PolicyEngine, PolicyStream
+from omnigate.engines.policy.engine import PolicyEngine
 from omnigate.engines.policy.model import build_random, tiny_dims
-from omnigate.engines.policy.spec import Observation
+from omnigate.engines.policy.spec import Observation, PolicyStream
 
 
 def observation(seed: int, size: int = 32, prompt: str = "pick up the cup") -> Observation:

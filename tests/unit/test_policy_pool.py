@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from omnigate.engines.base import EngineError
-from omnigate.engines.policy.engine import PolicyEngine, PolicyResult, PolicyStream
+from omnigate.engines.policy.engine import PolicyEngine
 from omnigate.engines.policy.pool import ObservationBusy, PolicyPool, PolicyReply
-from omnigate.engines.policy.spec import Observation, PolicyInfo
+from omnigate.engines.policy.spec import Observation, PolicyInfo, PolicyResult, PolicyStream
 from omnigate.engines.pool import PoolFull
 
 INFO = PolicyInfo(

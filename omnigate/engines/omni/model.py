@@ -31,13 +31,13 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from omnigate.engines.kv.decoder_stack import DecoderStack
 from omnigate.engines.kv.slots import SlotKVCache
+from omnigate.engines.omni.request import AUDIO_RATE
 from omnigate.engines.omni.tokenizer import HfTokenizer, PrintableTokenizer, ThinkerTokenizer
 from omnigate.engines.omni.vision_attention import use_segmented_attention
 
 log = logging.getLogger(__name__)
 
 PRESET_PREFIX = "preset:"
-AUDIO_RATE = 16_000
 DEFAULT_SLOTS = 16
 DEFAULT_MAX_CONTEXT = 4096
 # CLIP's normalisation, which Qwen's vision encoders were trained with.

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 ThinkStop = Literal["completed", "max_tokens", "max_context", "cancelled", "error"]
 # The error code of a prompt longer than the thinker's context.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+AUDIO_RATE = 16_000  # a question's audio: mono s16le at this rate (the audio encoder's)
 
 
 class TextDelta(msgspec.Struct, frozen=True, tag="text.delta"):

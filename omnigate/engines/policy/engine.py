@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from omnigate.engines.base import EngineError
 from omnigate.engines.policy.checkpoint import Normalization, load_checkpoint
 from omnigate.engines.policy.model import Pi0Dims, Pi0Policy, build_random, pi0_dims, tiny_dims
-from omnigate.engines.policy.spec import Observation, PolicyInfo
+from omnigate.engines.policy.spec import Observation, PolicyInfo, PolicyResult, PolicyStream
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +47,6 @@ def preset_image_keys(cameras: int) -> tuple[str, ...]:
     """openpi's LIBERO names for the first two cameras, numbered names after them."""
     names = ["observation/image", "observation/wrist_image"]
     return tuple(names[i] if i < len(names) else f"observation/image_{i}" for i in range(cameras))
-
-
-class PolicyResult(msgspec.Struct):
-    """One observation's answer: ``actions`` (action_horizon x action_dim, float32) and the step's duration."""
-
-    actions: np.ndarray[Any, Any]
-    infer_ms: float
-    batch_size: int
-
-
-class PolicyStream:
-    """One robot session as the engine sees it: the observation the next step serves (set by the scheduler)."""
-
-    def __init__(self) -> None:
-        self.observation: Observation | None = None
 
 
 class PolicyEngine:

@@ -28,13 +28,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from omnigate.engines.base import EngineError
-from omnigate.engines.policy.engine import PolicyEngine, PolicyResult, PolicyStream
-from omnigate.engines.policy.spec import Observation
+from omnigate.engines.policy.spec import Observation, PolicyResult, PolicyStream
 from omnigate.engines.pool import PoolClosed, PoolFull, StepObserver
+
+if TYPE_CHECKING:
+    # torch: the gateway imports this scheduler for its route, and loads a policy only for --robot-model
+    from omnigate.engines.policy.engine import PolicyEngine
 
 log = logging.getLogger(__name__)
 

@@ -80,6 +80,21 @@ class Observation(msgspec.Struct):
     prompt: str
 
 
+class PolicyResult(msgspec.Struct):
+    """One observation's answer: ``actions`` (action_horizon x action_dim, float32) and the step's duration."""
+
+    actions: np.ndarray[Any, Any]
+    infer_ms: float
+    batch_size: int
+
+
+class PolicyStream:
+    """One robot session as the engine sees it: the observation the next step serves (set by the scheduler)."""
+
+    def __init__(self) -> None:
+        self.observation: Observation | None = None
+
+
 def _image(key: str, value: object) -> np.ndarray[Any, Any]:
     if not isinstance(value, np.ndarray):
         raise WireError("invalid_observation", f"{key} must be a numpy array (uint8 HxWx3)", key)

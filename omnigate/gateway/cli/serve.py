@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from omnigate import __version__
 from omnigate.engines.admission import ADMISSION_POLICIES
 from omnigate.engines.cpus import available_cpus
+from omnigate.engines.extras import missing_extras
 from omnigate.engines.registry import DEFAULT_ENGINE, LOADERS
 from omnigate.gateway.cli.reliability import (
     add_reliability_options,
@@ -538,6 +539,18 @@ def gateway_process_engines(settings: Settings) -> list[str]:
     return [name for name, value in options.items() if value is not None]
 
 
+def extras_problem(settings: Settings) -> str | None:
+    """The optional extras that the engines these settings load need and that are not installed, as one message."""
+    asked: list[tuple[str, str]] = []
+    if settings.engine_pool == "ray":
+        asked.append(("--engine-pool ray", "ray"))
+    elif settings.core_socket is None:  # a worker attached to an engine core does not load the engine itself
+        asked.append((f"--engine {settings.engine}", settings.engine))
+    side = {"--duplex-model": "duplex", "--video-model": "video", "--omni-model": "omni", "--robot-model": "policy"}
+    asked.extend((option, side[option]) for option in gateway_process_engines(settings))
+    return missing_extras(asked)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     serve_argv = list(sys.argv[1:] if argv is None else argv)
@@ -548,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = gateway_workers(settings, where)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
-    problem = exposure_problem(settings)
+    problem = exposure_problem(settings) or extras_problem(settings)
     if problem is not None:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)

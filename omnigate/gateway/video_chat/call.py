@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from omnigate.codecs.resample import StreamResampler
 from omnigate.codecs.rtc_audio import RTC_SAMPLE_RATE, RtcOpusStream
-from omnigate.engines.omni.model import AUDIO_RATE
+from omnigate.engines.omni.request import AUDIO_RATE
 from omnigate.gateway.errors import HttpError
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.video_chat.protocol import event_json

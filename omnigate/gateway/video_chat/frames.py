@@ -11,13 +11,16 @@ import contextlib
 import hashlib
 import io
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import av
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from omnigate.engines.omni.request import FrameInput
 from omnigate.sessions.video_chat import DecodedFrame
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 THUMBNAIL = 64
 MAX_PIXELS = 8192 * 8192  # a frame larger than this is refused before it is decoded
@@ -30,6 +33,10 @@ class FrameDecodeError(ValueError):
 def decode_frame(data: bytes | av.VideoFrame, frame_size: int) -> DecodedFrame:
     """Decode one JPEG/PNG picture (or convert a WebRTC camera frame). Blocking (milliseconds): run it on a worker
     thread."""
+    # Pillow is the models extra's, like the omni engine that frames are for: imported here, on the decoding thread,
+    # so a gateway without --omni-model never imports it.
+    from PIL import Image, UnidentifiedImageError
+
     if isinstance(data, av.VideoFrame):
         return _prepare(Image.fromarray(data.to_ndarray(format="rgb24")), frame_size)
     try:
@@ -44,12 +51,14 @@ def decode_frame(data: bytes | av.VideoFrame, frame_size: int) -> DecodedFrame:
     return _prepare(rgb, frame_size)
 
 
-def _prepare(rgb: Image.Image, frame_size: int) -> DecodedFrame:
+def _prepare(rgb: Image, frame_size: int) -> DecodedFrame:
+    from PIL.Image import Resampling
+
     side = min(rgb.width, rgb.height)
     left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
     square = rgb.crop((left, top, left + side, top + side))
-    pixels = np.asarray(square.resize((frame_size, frame_size), Image.Resampling.BILINEAR), dtype=np.uint8)
-    thumbnail = square.convert("L").resize((THUMBNAIL, THUMBNAIL), Image.Resampling.BILINEAR).tobytes()
+    pixels = np.asarray(square.resize((frame_size, frame_size), Resampling.BILINEAR), dtype=np.uint8)
+    thumbnail = square.convert("L").resize((THUMBNAIL, THUMBNAIL), Resampling.BILINEAR).tobytes()
     digest = hashlib.blake2b(pixels.tobytes(), digest_size=16).digest()
     return DecodedFrame(FrameInput(digest, pixels), thumbnail)
 
