@@ -107,7 +107,7 @@ def load_level(url: str, server_process: psutil.Process, sessions: int, *argumen
                 full = active_sessions(url) >= sessions
                 samples.append((time.monotonic(), cpu_seconds(server_process), cpu_seconds(client_process), full))
             time.sleep(0.5)
-        if client.returncode != 0:
+        if client.returncode not in (0, 1):  # 1: a level missed the SLO, which the benchmark reports
             raise RuntimeError(f"omnigate-loadtest failed with {client.returncode}")
         report = json.loads(out.read_text())
     wall = server_cpu = client_cpu = 0.0

@@ -10,7 +10,7 @@ formats.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import msgspec
@@ -182,6 +182,15 @@ MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 
 
+def unknown_voice_message(voice: str, served: Iterable[str], aliases: Iterable[str]) -> str:
+    """What an ``unknown_voice`` error says: the voices served and the OpenAI names that are aliases of them."""
+    message = f"voice {voice!r} is not served; available: {', '.join(sorted(served))}"
+    alias_names = ", ".join(aliases)
+    if alias_names:
+        message += f"; aliases of these (OpenAI's voice names): {alias_names}"
+    return message
+
+
 def validate_params(info: EngineInfo, params: SynthesisParams) -> None:
     """Refuse what the engine cannot honour instead of ignoring it. Raises :class:`EngineError`.
 
@@ -189,12 +198,9 @@ def validate_params(info: EngineInfo, params: SynthesisParams) -> None:
     """
     caps = info.capabilities
     if params.voice not in info.voice_ids():
-        available = ", ".join(sorted(info.voice_ids()))
-        aliases = ", ".join(info.voice_aliases())
-        message = f"voice {params.voice!r} is not served; available: {available}"
-        if aliases:
-            message += f"; aliases of these (OpenAI's voice names): {aliases}"
-        raise EngineError("unknown_voice", message, "voice")
+        raise EngineError(
+            "unknown_voice", unknown_voice_message(params.voice, info.voice_ids(), info.voice_aliases()), "voice"
+        )
     if not MIN_SPEED <= params.speed <= MAX_SPEED:
         raise EngineError("invalid_speed", f"speed must be within {MIN_SPEED}..{MAX_SPEED}", "speed")
     if params.speed != 1.0 and not caps.speed:

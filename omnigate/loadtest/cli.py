@@ -9,7 +9,9 @@ Usage::
     omnigate-loadtest standins --port 8090 [--llm-first-token-ms 200 --llm-tokens-per-s 30 --asr-delay-ms 150]
 
 ``run`` is the default command. Against a server that requires an API key, set ``OMNIGATE_API_KEY`` (or pass
-``--api-key``): every request then carries ``Authorization: Bearer <key>``.
+``--api-key``): every request then carries ``Authorization: Bearer <key>``. ``run`` exits 0 when every level met its
+SLO (with ``--find-capacity``: when at least one did), 1 when one missed it, no session connected, the server refused
+the API key or the report is inconsistent, and 2 on a usage error (argparse's code).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import difflib
 import os
 import sys
 from collections.abc import Coroutine, Sequence
@@ -29,7 +32,7 @@ import msgspec
 from rich.console import Console
 
 from omnigate.loadtest.api_key import ApiKey, add_api_key_option, auth_headers, auth_refusal_notice, resolve_api_key
-from omnigate.loadtest.arrivals import ArrivalModel, ClosedLoop, OpenLoop
+from omnigate.loadtest.arrivals import ArrivalModel, ClosedLoop, OpenLoop, arrival_label
 from omnigate.loadtest.baseline import BaselineSettings, run_baseline
 from omnigate.loadtest.corpus import load_corpus
 from omnigate.loadtest.metrics import process_exists
@@ -41,6 +44,7 @@ from omnigate.loadtest.progress import (
     summary_table,
 )
 from omnigate.loadtest.report import (
+    DEFAULT_SLO,
     REPORT_VERSION,
     CapacityReport,
     CompareReport,
@@ -49,6 +53,7 @@ from omnigate.loadtest.report import (
     LoadTestReport,
     RunSettings,
     TargetSpec,
+    TtfaSlo,
     consistency_problems,
 )
 from omnigate.loadtest.runner import (
@@ -59,9 +64,21 @@ from omnigate.loadtest.runner import (
     run_levels,
 )
 from omnigate.loadtest.targets import SessionSettings, Target, target_class, target_kinds
+from omnigate.loadtest.targets.base import url_problem
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _SPEC_KEYS = frozenset({"label", "target", "url", "model", "voice"})
+SUBCOMMANDS: dict[str, str] = {
+    "run": "drive real clients against a server; report TTFA, underruns, capacity (the default subcommand)",
+    "baseline": "serve the bare-websockets transport baseline: the speech stream with synthetic PCM",
+    "standins": "serve OpenAI-compatible stand-ins for an LLM and a speech recognizer, with realistic delays",
+    "soak": "hold sessions for a long time; fail if memory, descriptors, tasks or latency trend upward",
+}
+EXIT_STATUS = """\
+exit status of run:
+  0  every level met its SLO (--find-capacity: at least one level did)
+  1  a level missed its SLO, no session connected, the server refused the API key, or the report is inconsistent
+  2  usage error: an unknown option or subcommand, a URL without a scheme or host"""
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -84,11 +101,25 @@ def _positive_floats(text: str) -> list[float]:
     return values
 
 
+def top_parser() -> argparse.ArgumentParser:
+    """``omnigate-loadtest --help``: every subcommand; also words usage errors made before a subcommand is known."""
+    commands = "\n".join(f"  {name:<10}{summary}" for name, summary in SUBCOMMANDS.items())
+    return argparse.ArgumentParser(
+        prog="omnigate-loadtest",
+        usage="omnigate-loadtest [run] [URL] [options]\n       omnigate-loadtest {baseline,standins,soak} [options]",
+        description="Measure a speech server through its real transports.",
+        epilog=f"subcommands:\n{commands}\n\n'omnigate-loadtest SUBCOMMAND --help' shows each one's options.\n\n"
+        + EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omnigate-loadtest run",
         description="Drive real clients against a speech server and report TTFA, gaps, underruns and capacity.",
-        epilog="The transport baseline server: omnigate-loadtest baseline --help",
+        epilog="The other subcommands: omnigate-loadtest --help\n\n" + EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
     target = parser.add_argument_group("target")
@@ -138,7 +169,12 @@ def run_parser() -> argparse.ArgumentParser:
     )
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--jitter-ms", type=float, default=100.0, help="audio the simulated player buffers first")
-    measure.add_argument("--slo-ttfa-ms", type=float, default=100.0, help="p99 TTFA limit for pass/fail")
+    measure.add_argument(
+        "--slo-ttfa-ms",
+        type=float,
+        help=f"p99 TTFA limit for pass/fail (default {DEFAULT_SLO.limit_ms:g}; the realtime target's talk mode, "
+        "whose TTFA is a whole voice-to-voice turn: 1500)",
+    )
     measure.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
     measure.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
     measure.add_argument(
@@ -203,6 +239,39 @@ def parse_target_spec(text: str, fallback: TargetSpec, label: str) -> TargetSpec
     return spec
 
 
+def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
+    """What the run measures: the target at the URL, or the two ``--compare`` sides; raises ``ValueError`` for a
+    side that is not a target at a server URL."""
+    main_spec = TargetSpec(label=args.target, target=args.target, url=args.url, model=args.model, voice=args.voice)
+    specs = [main_spec]
+    if args.compare:
+        specs = [parse_target_spec(text, main_spec, side) for text, side in zip(args.compare, "AB", strict=True)]
+    for spec in specs:
+        if (problem := url_problem(spec.url, target_class(spec.target).schemes)) is not None:
+            raise ValueError(f"{spec.url!r} is not a server URL for the {spec.target} target: {problem}")
+    return specs
+
+
+def resolve_slo(option_ms: float | None, specs: Sequence[TargetSpec]) -> TtfaSlo:
+    """The SLO the run's levels are judged by: ``--slo-ttfa-ms`` when given, else the targets' own (talk mode's
+    voice to voice) or the default. Raises ``ValueError`` when compared targets would be judged differently."""
+    if option_ms is not None:
+        return TtfaSlo(limit_ms=option_ms, basis="--slo-ttfa-ms")
+    slos = {target_class(spec.target).default_slo(spec) or DEFAULT_SLO for spec in specs}
+    if len(slos) > 1:
+        limits = " and ".join(f"{slo.limit_ms:g} ms ({slo.basis})" for slo in sorted(slos, key=lambda s: s.limit_ms))
+        raise ValueError(f"the compared targets have different default SLOs, {limits}: pass --slo-ttfa-ms")
+    (slo,) = slos
+    return slo
+
+
+def unknown_subcommand_message(word: str, problem: str) -> str:
+    """A first argument that is neither a subcommand nor a server URL, and the subcommand it may be a typo of."""
+    message = f"{word!r} is neither a subcommand ({', '.join(SUBCOMMANDS)}) nor a server URL ({problem})"
+    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+    return message + (f"; did you mean {close[0]!r}?" if close else "")
+
+
 def _arrivals(args: argparse.Namespace) -> list[ArrivalModel]:
     if args.rate:
         return [OpenLoop(rate=rate, max_in_flight=args.max_in_flight) for rate in args.rate]
@@ -232,7 +301,14 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--server-pid {args.server_pid}: no such process on this machine")
 
 
-async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Console, errors: Console) -> int:
+async def _run(
+    args: argparse.Namespace,
+    specs: Sequence[TargetSpec],
+    slo: TtfaSlo,
+    api_key: ApiKey | None,
+    console: Console,
+    errors: Console,
+) -> int:
     corpus = load_corpus(args.corpus)
     session_settings = SessionSettings(
         words_per_second=args.words_per_second,
@@ -253,15 +329,11 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
         seed=args.seed,
         utterances_per_session=args.utterances_per_session,
         jitter_ms=args.jitter_ms,
-        slo_ttfa_ms=args.slo_ttfa_ms,
+        slo_ttfa_ms=slo.limit_ms,
         metrics_interval_s=args.metrics_interval,
         scrape_metrics=not args.no_metrics,
         server_pid=args.server_pid,
     )
-    main_spec = TargetSpec(label=args.target, target=args.target, url=args.url, model=args.model, voice=args.voice)
-    specs = [main_spec]
-    if args.compare:
-        specs = [parse_target_spec(text, main_spec, side) for text, side in zip(args.compare, "AB", strict=True)]
     display = ProgressDisplay(errors, live=not args.quiet and errors.is_terminal, jitter_ms=args.jitter_ms)
     levels: list[LevelReport] = []
     capacity: CapacityReport | None = None
@@ -311,13 +383,14 @@ async def _run(args: argparse.Namespace, api_key: ApiKey | None, console: Consol
             words_per_second=args.words_per_second,
             utterances_per_session=args.utterances_per_session,
             jitter_ms=args.jitter_ms,
-            slo_ttfa_ms=args.slo_ttfa_ms,
+            slo_ttfa_ms=slo.limit_ms,
             utterance_timeout_s=args.utterance_timeout,
             corpus=str(args.corpus) if args.corpus else "shipped",
             corpus_entries=len(corpus),
             api_key_sent=api_key is not None,
             compression_offered=args.compression,
             response_format=args.response_format,
+            slo_basis=slo.basis,
         ),
         levels=levels,
         capacity=capacity,
@@ -331,6 +404,7 @@ def _finish(
 ) -> int:
     if not args.quiet:
         console.print(summary_table(report.levels))
+        console.print(f"SLO: p99 TTFA < {report.settings.slo_ttfa_ms:g} ms ({report.settings.slo_basis})")
         console.print(negotiated_text(report.levels))
         if report.capacity is not None:
             console.print(capacity_text(report.capacity))
@@ -363,7 +437,34 @@ def _finish(
     ]
     for refusal in refusals:
         errors.print(f"[red]not authorized[/red] {refusal}")
-    return 1 if problems or refusals else 0
+    unreached = not refusals and _nothing_connected(report)
+    if unreached:
+        examples = "; ".join(f"{code}: {text}" for code, text in report.levels[0].error_examples.items())
+        errors.print(f"[red]no session connected[/red] to {report.levels[0].target.url} ({examples or 'no error'})")
+    missed = [] if unreached else _missed_slo(report)
+    for miss in missed:
+        errors.print(f"[red]SLO missed[/red] {miss}")
+    return 1 if problems or refusals or unreached or missed else 0
+
+
+def _nothing_connected(report: LoadTestReport) -> bool:
+    records = [record for level in report.levels for record in level.session_records]
+    return bool(records) and all(record.connect_ms is None for record in records)
+
+
+def _missed_slo(report: LoadTestReport) -> list[str]:
+    """What fails the run's verdict: a level that missed the SLO (a comparison's sides pooled over its rounds),
+    or a capacity search in which no level met it."""
+    if report.capacity is not None:
+        if report.capacity.result.capacity == 0:
+            return [f"{report.capacity.target.label}: no level met it, down to 1 session"]
+        return []
+    judged = [side for level in report.compare.levels for side in (level.a, level.b)] if report.compare else []
+    return [
+        f"{level.target.label} @ {arrival_label(level.arrival)}: {'; '.join(level.slo.reasons)}"
+        for level in judged or report.levels
+        if not level.slo.passed
+    ]
 
 
 def _event_loop_runner() -> asyncio.Runner:
@@ -406,8 +507,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from omnigate.loadtest.openai_standins import serve_standins, standins_parser
 
         return _run_coroutine(serve_standins(standins_parser().parse_args(arguments[1:])))
+    if arguments[:1] in (["-h"], ["--help"]):
+        top_parser().print_help()
+        return 0
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
+    elif arguments and not arguments[0].startswith("-") and (problem := url_problem(arguments[0])) is not None:
+        # A mistyped subcommand is refused here, before it is taken for the URL of a run.
+        top_parser().error(unknown_subcommand_message(arguments[0], problem))
     parser = run_parser()
     args = parser.parse_args(arguments)
     _validate(parser, args)
@@ -415,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         formats = target_class(args.target).formats
         if args.response_format is not None and args.response_format not in formats:
             raise ValueError(f"--format: the {args.target} target measures {', '.join(formats)}")
+        specs = target_specs(args)
+        slo = resolve_slo(args.slo_ttfa_ms, specs)
         api_key = resolve_api_key(args.api_key, os.environ)
     except ValueError as exc:
         parser.error(str(exc))
@@ -422,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=200)
     errors = Console(stderr=True)
     try:
-        return _run_coroutine(_run(args, api_key, console, errors))
+        return _run_coroutine(_run(args, specs, slo, api_key, console, errors))
     except KeyboardInterrupt:
         errors.print("interrupted")
         return 130

@@ -33,6 +33,16 @@ class TargetSpec(msgspec.Struct, frozen=True):
     voice: str | None = None
 
 
+class TtfaSlo(msgspec.Struct, frozen=True):
+    """The p99 TTFA limit a level is judged by, and why that limit: the option, the default or the target's own."""
+
+    limit_ms: float
+    basis: str
+
+
+DEFAULT_SLO = TtfaSlo(limit_ms=100.0, basis="default: streamed speech's first audio")
+
+
 class RunSettings(msgspec.Struct, frozen=True):
     """The command-line settings that shaped the run."""
 
@@ -54,6 +64,9 @@ class RunSettings(msgspec.Struct, frozen=True):
     """Whether WebSocket handshakes offered ``permessage-deflate`` (what the server answered is per level)."""
     response_format: str | None = None
     """The audio format asked for; ``None``: each target's default."""
+    slo_basis: str | None = None
+    """Why ``slo_ttfa_ms`` is the limit (``--slo-ttfa-ms``, the default, or the target's own for what its TTFA
+    measures); None in reports written before it was recorded."""
 
 
 class UtteranceRecord(msgspec.Struct, frozen=True):

@@ -35,7 +35,7 @@ from omnigate.loadtest.report import LevelReport, LevelTraces, TargetSpec
 from omnigate.loadtest.runner import LevelRun, LevelSettings, run_capacity_search
 from omnigate.loadtest.stats import Distribution, distribution
 from omnigate.loadtest.targets import SessionSettings, Target, target_class
-from omnigate.loadtest.targets.base import http_url
+from omnigate.loadtest.targets.base import http_url, url_problem
 from omnigate.loadtest.traces import SessionTrace
 from omnigate.loadtest.trend import Trend, trend
 
@@ -291,7 +291,10 @@ def main(argv: Sequence[str]) -> int:
     if args.duration <= 0 or args.interval <= 0 or not 0 < args.load <= 1:
         parser.error("--duration and --interval must be > 0 and --load within (0, 1]")
     try:
-        formats = target_class(args.target).formats
+        target = target_class(args.target)
+        if (problem := url_problem(args.url, target.schemes)) is not None:
+            raise ValueError(f"{args.url!r} is not a server URL for the {args.target} target: {problem}")
+        formats = target.formats
         if args.response_format is not None and args.response_format not in formats:
             raise ValueError(f"--format: the {args.target} target measures {', '.join(formats)}")
         api_key = resolve_api_key(args.api_key, os.environ)

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import msgspec
 import pytest
 
-from omnigate.gateway.settings import Settings
-from omnigate.loadtest.report import TargetSpec
+from omnigate.gateway.settings import ResponderSettings, Settings
+from omnigate.loadtest.openai_standins import StandinConfig, StandinServer
+from omnigate.loadtest.report import LoadTestReport, TargetSpec
 from omnigate.loadtest.targets import target_class
 from omnigate.loadtest.targets.base import SessionSettings
-from omnigate.loadtest.targets.realtime import SPEECH_FILE, RealtimeOptions, RealtimeTarget, load_speech, split_options
+from omnigate.loadtest.targets.realtime import (
+    SPEECH_FILE,
+    TALK_SLO,
+    RealtimeOptions,
+    RealtimeTarget,
+    load_speech,
+    split_options,
+)
 from omnigate.loadtest.traces import SessionTrace
 from tests.audio_checks import speech_fraction
 from tests.serving import RunningServer, serve
@@ -63,3 +75,30 @@ async def test_barge_in_against_a_duplex_engine(duplex_server: RunningServer) ->
     assert len(target.barge_in_ms) == len(target.cancel_to_done_ms) == 1
     assert target.barge_in_ms[0] >= 0.0 and target.cancel_to_done_ms[0] > 0.0
     assert trace.utterances[0].audio_ms >= 400.0
+
+
+async def test_the_cli_judges_talk_mode_by_its_voice_to_voice_slo(tmp_path: Path) -> None:
+    """A talk-mode run of the real CLI against a server answering through its LLM (the stand-ins): without
+    --slo-ttfa-ms the report applies talk mode's SLO and says so; a level that misses it names that limit."""
+    out = tmp_path / "talk.json"
+    config = StandinConfig(asr_delay_ms=50, llm_first_token_ms=50)
+    async with StandinServer(config) as standins:
+        settings = Settings(
+            engine="synthetic",
+            model="rtf=0.1",
+            responder=ResponderSettings(llm_url=standins.base_url, asr_url=standins.base_url),
+        )
+        with serve(settings) as server:
+            command = [str(Path(sys.executable).with_name("omnigate-loadtest")), server.http_url + "#talk=1"]
+            command += ["--target", "realtime", "--sessions", "1", "--duration", "1", "--warmup", "0"]
+            command += ["--drain", "60", "--no-metrics", "--quiet", "--out", str(out)]
+            cli = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+            async with asyncio.timeout(120):
+                _, stderr = await cli.communicate()
+    report = msgspec.json.decode(out.read_bytes(), type=LoadTestReport)
+    assert (report.settings.slo_ttfa_ms, report.settings.slo_basis) == (TALK_SLO.limit_ms, TALK_SLO.basis)
+    (level,) = report.levels
+    assert level.errors == {}, level.error_examples
+    assert level.utterances.completed == level.utterances.total > 0
+    assert cli.returncode == (0 if level.slo.passed else 1), stderr.decode()
+    assert all("ms >= 100 ms" not in reason for reason in level.slo.reasons)

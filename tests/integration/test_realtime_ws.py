@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from omnigate.codecs.resample import StreamResampler
@@ -280,3 +282,63 @@ async def test_an_agent_framework_session_update_is_accepted_and_echoed(syntheti
         )
         events = await until(connection, "response.done")
     assert events[-1]["response"]["status"] == "completed" and pcm_of(events)
+
+
+async def test_session_update_serves_beta_names_names_what_it_does_not_use_and_refuses_an_unknown_voice(
+    synthetic_server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the openai SDK's beta realtime client sends (top-level voice, modalities, audio formats by name), a field
+    no protocol has, and unknown voices: with a plain websockets client."""
+    caplog.set_level(logging.INFO, logger="omnigate.sessions.realtime.session")
+
+    async def send(ws: ClientConnection, session: dict[str, Any], event_id: str) -> dict[str, Any]:
+        await ws.send(json.dumps({"type": "session.update", "event_id": event_id, "session": session}))
+        async with asyncio.timeout(30):
+            event: dict[str, Any] = json.loads(await ws.recv())
+        validate_server_event(event)
+        return event
+
+    async with ws_connect(synthetic_server.ws_url + "/v1/realtime") as ws:
+        created = json.loads(await ws.recv())
+        assert created["type"] == "session.created" and created["session"]["unused_fields"] == []
+        default_voice = created["session"]["audio"]["output"]["voice"]
+        beta = {
+            "voice": "alloy",
+            "modalities": ["text", "audio"],
+            "input_audio_format": "g711_alaw",
+            "output_audio_format": "g711_ulaw",
+            "foo": 1,
+            "audio": {"output": {"bar": True}},
+        }
+        updated = await send(ws, beta, "beta")
+        assert updated["type"] == "session.updated", updated
+        session = updated["session"]
+        assert session["unused_fields"] == ["session.foo", "session.audio.output.bar"]
+        assert session["output_modalities"] == ["audio"]
+        assert session["audio"]["input"]["format"]["type"] == "audio/pcma"
+        assert session["audio"]["output"]["format"]["type"] == "audio/pcmu"
+        alias_voice = session["audio"]["output"]["voice"]
+        assert alias_voice in session["capabilities"]["voices"]
+
+        # Beside its GA field a beta name is not used, and says so.
+        both = await send(ws, {"voice": "echo", "audio": {"output": {"voice": default_voice}}, "foo": 2}, "both")
+        assert both["session"]["audio"]["output"]["voice"] == default_voice
+        assert both["session"]["unused_fields"] == ["session.foo", "session.audio.output.bar", "session.voice"]
+
+        # An unknown voice is refused typed wherever it is given, and the session keeps its voice.
+        for session_patch, param in (
+            ({"voice": "bob"}, "session.voice"),
+            ({"audio": {"output": {"voice": "bob"}}}, "session.audio.output.voice"),
+        ):
+            error = await send(ws, session_patch, f"bad voice at {param}")
+            assert error["type"] == "error", error
+            assert error["error"]["type"] == "invalid_request_error"
+            assert (error["error"]["code"], error["error"]["param"]) == ("unknown_voice", param)
+            assert error["error"]["event_id"] == f"bad voice at {param}"
+            assert error["error"]["message"].startswith("voice 'bob' is not served; available: ")
+        kept = await send(ws, {}, "kept")
+        assert kept["session"]["audio"]["output"]["voice"] == default_voice
+    # Each unused field is logged once in the session.
+    logged = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    assert len(logged) == 2 and "session.foo" in logged[0] and "session.voice" in logged[1], logged
+    assert "session.foo" not in logged[1]

@@ -221,11 +221,12 @@ def test_duplex_rules() -> None:
 
 
 def test_the_voice_locks_once_audio_was_sent() -> None:
+    two_voices = msgspec.structs.replace(TTS, voices=("joe", "other"))
     base = RealtimeConfig(model="joe", voice="other", turn_detection=None)
     with pytest.raises(ConfigRefused) as refused:
-        update(base, {"audio": {"output": {"voice": "joe"}}}, locked=True)
+        update(base, {"audio": {"output": {"voice": "joe"}}}, caps=two_voices, locked=True)
     assert refused.value.code == "voice_locked"
-    assert update(base, {"audio": {"output": {"voice": "other"}}}, locked=True).voice == "other"
+    assert update(base, {"audio": {"output": {"voice": "other"}}}, caps=two_voices, locked=True).voice == "other"
 
 
 def test_response_overrides() -> None:
@@ -250,3 +251,58 @@ def test_response_overrides() -> None:
             base, msgspec.convert({"audio": {"output": {"voice": "nobody"}}}, ResponseParams), TTS, resolve
         )
     assert refused.value.param == "response.audio.output.voice"
+
+
+def test_beta_names_are_served_as_their_ga_fields_and_unread_fields_are_unused() -> None:
+    base = default_config(TTS, "joe")
+    beta = {"voice": "alloy", "modalities": ["text", "audio"], "input_audio_format": "g711_alaw"}
+    config = apply_update(
+        base,
+        patch({**beta, "output_audio_format": "g711_ulaw"}),
+        TTS,
+        served_models=SERVED,
+        resolve_voice=resolve,
+        voice_locked=False,
+        unknown=("session.foo",),
+    )
+    assert (config.voice, config.output_modalities) == ("joe", ("audio",))
+    assert (config.input_format, config.output_format) == ("audio/pcma", "audio/pcmu")
+    assert session_object(config, "sess_1", TTS).unused_fields == ["session.foo"]
+    # Beside its GA field a beta name is not used; unread fields stay named, each once, until the session ends.
+    both = apply_update(
+        config,
+        patch({"voice": "marin", "audio": {"output": {"voice": "joe"}}, "input_audio_format": "pcm16"}),
+        TTS,
+        served_models=SERVED,
+        resolve_voice=resolve,
+        voice_locked=False,
+        unknown=("session.foo", "session.bar"),
+    )
+    assert both.voice == "joe" and both.input_format == "audio/pcm"
+    assert session_object(both, "sess_1", TTS).unused_fields == ["session.foo", "session.bar", "session.voice"]
+    assert update(base, {"modalities": ["text"]}, caps=DUPLEX).output_modalities == ("text",)
+
+
+@pytest.mark.parametrize(
+    ("session", "code", "param"),
+    [
+        ({"voice": "bob"}, "unknown_voice", "session.voice"),
+        ({"audio": {"output": {"voice": "bob"}}}, "unknown_voice", "session.audio.output.voice"),
+        ({"input_audio_format": "opus"}, "unsupported_format", "session.input_audio_format"),
+        ({"modalities": ["text"]}, "unsupported", "session.modalities"),
+    ],
+)
+def test_what_the_session_cannot_honour_is_refused_where_the_client_put_it(
+    session: dict[str, object], code: str, param: str
+) -> None:
+    with pytest.raises(ConfigRefused) as refused:
+        update(default_config(TTS, "joe"), session)
+    assert (refused.value.code, refused.value.param) == (code, param)
+    if code == "unknown_voice":
+        assert refused.value.message.startswith("voice 'bob' is not served; available: joe; aliases of these")
+
+
+def test_a_duplex_model_refuses_a_voice_it_does_not_have() -> None:
+    with pytest.raises(ConfigRefused) as refused:
+        update(default_config(DUPLEX, "preset:tiny"), {"voice": "bob"}, caps=DUPLEX)
+    assert refused.value.code == "unknown_voice"

@@ -265,3 +265,34 @@ def test_unparseable_messages_are_named_for_their_errors() -> None:
         decode_client_event('{"type": "conversation.item.truncate", "item_id": "i", "audio_end_ms": -5}')
     assert peek('{"type": "nope", "event_id": "c9"}') == ("nope", "c9")
     assert peek("not json") == (None, None)
+
+
+def test_a_session_update_names_the_fields_it_does_not_read() -> None:
+    message = {
+        "type": "session.update",
+        "unknown_fields": ["session.forged"],  # the reader's own field: replaced, never taken from the client
+        "session": {
+            "type": "realtime",
+            "foo": 1,
+            "voice": "alloy",  # a beta name, read (served at audio.output.voice)
+            "tools": [{"type": "function", "name": "f", "anything": {"goes": True}}],  # free-form: kept whole
+            "audio": {
+                "input": {
+                    "turn_detection": {"type": "semantic_vad", "eagerness": "low", "threshold": 0.5},
+                    "transcription": {"model": "m", "prompt": "p"},
+                },
+                "output": {"voice": "marin", "pitch": 2},
+                "video": {},
+            },
+        },
+    }
+    update = decode_client_event(json.dumps(message))
+    assert isinstance(update, SessionUpdate)
+    assert update.unknown_fields == (
+        "session.foo",
+        "session.audio.input.turn_detection.threshold",  # server_vad's knob, not semantic_vad's
+        "session.audio.output.pitch",
+        "session.audio.video",
+    )
+    plain = decode_client_event(_sdk_json("session.update", **SDK_CLIENT_EVENTS["session.update"]))
+    assert isinstance(plain, SessionUpdate) and plain.unknown_fields == ()

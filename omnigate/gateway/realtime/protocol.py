@@ -11,7 +11,12 @@ from typing import Any
 import msgspec
 
 from omnigate.gateway.errors import UNDECODABLE
-from omnigate.sessions.realtime.client_events import CLIENT_EVENT_TYPES, ClientEvent
+from omnigate.sessions.realtime.client_events import (
+    CLIENT_EVENT_TYPES,
+    ClientEvent,
+    SessionUpdate,
+    unknown_session_fields,
+)
 from omnigate.sessions.realtime.session import RealtimeLimits, UnreadableEvent
 
 _DECODER = msgspec.json.Decoder(ClientEvent)
@@ -22,9 +27,18 @@ class _Envelope(msgspec.Struct):
     event_id: Any = None
 
 
+class _SessionEnvelope(msgspec.Struct):
+    session: Any = None
+
+
 def decode_client_event(raw: bytes | str) -> ClientEvent:
-    """Parse one client event; raises ``msgspec.DecodeError`` or ``msgspec.ValidationError``."""
+    """Parse one client event; raises ``msgspec.DecodeError`` or ``msgspec.ValidationError``. A ``session.update``
+    carries the names of its session's fields that are not read (``session.unused_fields`` lists them)."""
     event: ClientEvent = _DECODER.decode(raw)
+    if isinstance(event, SessionUpdate):
+        # Read again untyped (a session.update is small and rare) to find what the typed read left out.
+        session = msgspec.json.decode(raw, type=_SessionEnvelope).session
+        event = msgspec.structs.replace(event, unknown_fields=tuple(unknown_session_fields(session)))
     return event
 
 

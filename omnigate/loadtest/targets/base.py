@@ -10,8 +10,25 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 
 from omnigate.loadtest.api_key import ApiKey, auth_headers
-from omnigate.loadtest.report import TargetSpec
+from omnigate.loadtest.report import TargetSpec, TtfaSlo
 from omnigate.loadtest.traces import SessionTrace
+
+URL_SCHEMES = ("http", "https", "ws", "wss")
+"""Every built-in target takes a server URL of any of these: each transport maps the scheme to its own."""
+
+
+def url_problem(url: str, schemes: Sequence[str] = URL_SCHEMES) -> str | None:
+    """Why ``url`` cannot be a server URL (None when it can): it needs one of ``schemes`` and a host."""
+    parts = urlsplit(url)
+    if parts.scheme not in schemes:
+        return f"a server URL starts with {' or '.join(f'{scheme}://' for scheme in schemes)}"
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number in range
+    except ValueError:
+        return "the port is not a number within 0..65535"
+    if not parts.hostname:
+        return "the URL names no host"
+    return None
 
 
 class SessionSettings(msgspec.Struct, frozen=True):
@@ -47,6 +64,8 @@ class Target(abc.ABC):
     kind: ClassVar[str]
     formats: ClassVar[tuple[str, ...]] = ("pcm",)
     """The audio formats the target can ask for and measure; the first is its real clients' default."""
+    schemes: ClassVar[tuple[str, ...]] = URL_SCHEMES
+    """The URL schemes the target's server URL may have."""
 
     def __init__(self, spec: TargetSpec, settings: SessionSettings) -> None:
         self.spec = spec
@@ -66,6 +85,12 @@ class Target(abc.ABC):
     @abc.abstractmethod
     async def run_session(self, texts: Sequence[str], trace: SessionTrace) -> None:
         """Run one session that speaks ``texts`` in order, one utterance each."""
+
+    @classmethod
+    def default_slo(cls, spec: TargetSpec) -> TtfaSlo | None:
+        """The SLO the target's sessions are judged by when none is given, where its TTFA measures something other
+        than a speech stream's first audio; None: the run's default. Raises ``ValueError`` for a bad ``spec``."""
+        return None
 
     def auth_headers(self) -> dict[str, str]:
         """Headers every request of a session carries: the API key, when one is set."""

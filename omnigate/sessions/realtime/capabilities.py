@@ -32,6 +32,8 @@ class RealtimeCapabilities(msgspec.Struct, frozen=True):
     audio_truncate: bool = True
     input_transcription: bool = False
     tools: bool = False
+    voice_aliases: tuple[str, ...] = ()
+    """OpenAI's voice names that stand for served voices (named when an unknown voice is refused)."""
 
     def wire(self) -> WireCapabilities:
         return WireCapabilities(
@@ -64,6 +66,7 @@ def capabilities_for(info: EngineInfo) -> RealtimeCapabilities:
         # A duplex model's text stream can be sent alone; a TTS engine exists to speak.
         output_modalities=("audio", "text") if duplex else ("audio",),
         voices=tuple(sorted(info.voice_ids())),
+        voice_aliases=tuple(info.voice_aliases()),
         default_voice=info.default_voice,
         speed=caps.speed,
         instructions=caps.instructions,

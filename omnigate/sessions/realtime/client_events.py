@@ -2,9 +2,12 @@
 
 Shapes follow the ``openai`` package's models (``openai/types/realtime/``). Fields agent frameworks send whether or
 not the engine acts on them (tools, temperature, transcription, noise reduction, ...) are declared, so a session keeps
-and echoes them and names the ones its engine does not use (``session.unused_fields``); other unknown fields are
-ignored, as OpenAI's server ignores them. ``UNSET`` marks a field the client left out, which ``session.update`` leaves
-unchanged (``null`` clears, per the protocol).
+and echoes them and names the ones its engine does not use (``session.unused_fields``). The beta protocol's names that
+the openai SDK's beta realtime client still sends and that have a GA place (``voice``, ``modalities``,
+``input_audio_format``, ``output_audio_format``) are declared too, and served there. Any other field of a
+``session.update``'s session is not read: :func:`unknown_session_fields` names it, for ``session.unused_fields``.
+Other events' unknown fields are ignored, as OpenAI's server ignores them. ``UNSET`` marks a field the client left out,
+which ``session.update`` leaves unchanged (``null`` clears, per the protocol).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+import msgspec.inspect
 from msgspec import UNSET, UnsetType
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -74,6 +78,44 @@ class SessionPatch(msgspec.Struct, frozen=True):
     temperature: float | UnsetType | None = UNSET
     tracing: str | dict[str, Any] | UnsetType | None = UNSET
     truncation: str | dict[str, Any] | UnsetType | None = UNSET
+    # The beta protocol's names of GA fields: audio.output.voice, output_modalities, audio.input.format and
+    # audio.output.format (its formats are "pcm16", "g711_ulaw" and "g711_alaw").
+    voice: str | dict[str, Any] | UnsetType = UNSET
+    modalities: list[str] | UnsetType = UNSET
+    input_audio_format: str | UnsetType = UNSET
+    output_audio_format: str | UnsetType = UNSET
+
+
+_SESSION_PATCH_TYPE = msgspec.inspect.type_info(SessionPatch)
+
+
+def unknown_session_fields(session: Any) -> list[str]:
+    """The fields of a ``session.update``'s ``session`` (as decoded JSON) that :class:`SessionPatch` does not read,
+    as parameter paths (``session.foo``, ``session.audio.output.bar``). Free-form values (tools, transcription, ...)
+    are kept whole, so nothing inside them is named."""
+    unknown: list[str] = []
+    _collect_unknown(session, _SESSION_PATCH_TYPE, "session", unknown)
+    return unknown
+
+
+def _collect_unknown(value: Any, kind: msgspec.inspect.Type, path: str, unknown: list[str]) -> None:
+    if not isinstance(value, dict):
+        return
+    choices = kind.types if isinstance(kind, msgspec.inspect.UnionType) else (kind,)
+    structs = [choice for choice in choices if isinstance(choice, msgspec.inspect.StructType)]
+    if not structs:
+        return
+    # A tagged union (server_vad | semantic_vad) is read as the member its tag names.
+    struct = next((s for s in structs if s.tag_field is not None and value.get(s.tag_field) == s.tag), structs[0])
+    fields = {field.encode_name: field for field in struct.fields}
+    for key, item in value.items():
+        if key == struct.tag_field:
+            continue
+        field = fields.get(key)
+        if field is None:
+            unknown.append(f"{path}.{key}")
+        else:
+            _collect_unknown(item, field.type, f"{path}.{key}", unknown)
 
 
 class ContentPart(msgspec.Struct, frozen=True):
@@ -125,6 +167,9 @@ class _Client(msgspec.Struct, frozen=True, tag_field="type"):
 
 class SessionUpdate(_Client, frozen=True, tag="session.update"):
     session: SessionPatch = SessionPatch()
+    unknown_fields: tuple[str, ...] = ()
+    """The session's fields that :class:`SessionPatch` does not read (:func:`unknown_session_fields`): set by the
+    reader of the message from its JSON; whatever a client sends under this name is replaced."""
 
 
 class InputAudioBufferAppend(_Client, frozen=True, tag="input_audio_buffer.append"):

@@ -2,9 +2,12 @@
 
 ``session.update`` changes only the fields it names. Agent frameworks send a full session (instructions, tools,
 temperature, transcription, semantic VAD, ...) whatever the model behind it: what the engine does not act on is
-accepted, kept, echoed in ``session.updated`` and named in ``session.unused_fields``. Only what would change what the
-client hears in a way the engine cannot honour (an output format or rate, a speed, text-only output from a speech
-engine) refuses the whole update with a typed error, and the session keeps its previous configuration.
+accepted, kept, echoed in ``session.updated`` and named in ``session.unused_fields``, and so is every field the server
+does not read at all (``session.foo``). The beta protocol's names of GA fields (``voice``, ``modalities``,
+``input_audio_format``, ``output_audio_format``), which the openai SDK's beta realtime client still sends, are served
+as those GA fields; beside the GA field itself they are unused. Only what would change what the client hears in a way
+the engine cannot honour (an unknown voice, an output format or rate, a speed, text-only output from a speech engine)
+refuses the whole update with a typed error, and the session keeps its previous configuration.
 ``response.create`` may override a few fields for one response, under the same rules.
 """
 
@@ -14,11 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
+from omnigate.engines.base import unknown_voice_message
 from omnigate.sessions.realtime.capabilities import AUDIO_FORMATS, RealtimeCapabilities
 from omnigate.sessions.realtime.client_events import (
     AudioFormat,
+    AudioInputPatch,
+    AudioOutputPatch,
+    AudioPatch,
     ResponseParams,
     SemanticVad,
     ServerVad,
@@ -39,6 +46,9 @@ MAX_OUTPUT_TOKENS = 4096
 MAX_METADATA_KEYS = 16
 MIN_SPEED = 0.25
 MAX_SPEED = 1.5
+MAX_IGNORED_FIELDS = 64
+"""Unread fields a session remembers for ``session.unused_fields``: a bound on what a client's updates can grow."""
+BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 
 VoiceResolver = Callable[[str], str]
 
@@ -92,6 +102,8 @@ class RealtimeConfig(msgspec.Struct, frozen=True):
     output_format: str = "audio/pcm"
     max_output_tokens: int | None = None  # None: "inf"
     passthrough: Passthrough = Passthrough()
+    ignored: tuple[str, ...] = ()
+    """Fields the client set that the server does not read (or a beta name beside its GA field), as parameter paths."""
 
 
 class ResponseSettings(msgspec.Struct, frozen=True):
@@ -139,9 +151,39 @@ def apply_update(
     served_models: frozenset[str],
     resolve_voice: VoiceResolver,
     voice_locked: bool,
+    unknown: tuple[str, ...] = (),
 ) -> RealtimeConfig:
-    """The configuration after ``patch``, or ConfigRefused naming the first field the session cannot honour."""
+    """The configuration after ``patch``, or ConfigRefused naming the first field the session cannot honour.
+    ``unknown`` names the fields of the update that ``patch`` could not read."""
     changes: dict[str, Any] = {}
+    ignored = list(unknown)
+    audio = patch.audio if patch.audio is not UNSET else AudioPatch()
+    audio_in = audio.input if audio.input is not UNSET else AudioInputPatch()
+    audio_out = audio.output if audio.output is not UNSET else AudioOutputPatch()
+    modalities, modalities_param = _ga_or_beta(
+        patch.output_modalities,
+        "session.output_modalities",
+        _beta_modalities(patch.modalities),
+        "session.modalities",
+        ignored,
+    )
+    input_format, input_format_param = _ga_or_beta(
+        audio_in.format,
+        "session.audio.input.format",
+        _beta_format(patch.input_audio_format, "session.input_audio_format"),
+        "session.input_audio_format",
+        ignored,
+    )
+    output_format, output_format_param = _ga_or_beta(
+        audio_out.format,
+        "session.audio.output.format",
+        _beta_format(patch.output_audio_format, "session.output_audio_format"),
+        "session.output_audio_format",
+        ignored,
+    )
+    voice_value, voice_param = _ga_or_beta(
+        audio_out.voice, "session.audio.output.voice", patch.voice, "session.voice", ignored
+    )
     if patch.type is not UNSET and patch.type != "realtime":
         raise ConfigRefused("unsupported", f"session type {patch.type!r} is not served; use 'realtime'", "session.type")
     if patch.model is not UNSET and patch.model != config.model:
@@ -150,8 +192,8 @@ def apply_update(
         changes["model"] = patch.model
     if patch.instructions is not UNSET:
         changes["instructions"] = patch.instructions or ""
-    if patch.output_modalities is not UNSET:
-        changes["output_modalities"] = _modalities(patch.output_modalities, caps, "session.output_modalities")
+    if modalities is not UNSET:
+        changes["output_modalities"] = _modalities(modalities, caps, modalities_param)
     if patch.max_output_tokens is not UNSET:
         changes["max_output_tokens"] = _max_tokens(patch.max_output_tokens, "session.max_output_tokens")
     kept: dict[str, Any] = {}
@@ -169,34 +211,27 @@ def apply_update(
             kept[name] = value
     if patch.truncation is not UNSET:
         kept["truncation"] = patch.truncation if patch.truncation is not None else "auto"
-    if patch.audio is not UNSET:
-        audio_in = patch.audio.input
-        if audio_in is not UNSET:
-            if audio_in.format is not UNSET:
-                changes["input_format"] = _format(audio_in.format, "session.audio.input.format")
-            if audio_in.transcription is not UNSET:
-                kept["transcription"] = audio_in.transcription
-            if audio_in.noise_reduction is not UNSET:
-                kept["noise_reduction"] = audio_in.noise_reduction
-            if audio_in.turn_detection is not UNSET:
-                changes["turn_detection"] = _turn_detection(audio_in.turn_detection, config.turn_detection, caps)
-        audio_out = patch.audio.output
-        if audio_out is not UNSET:
-            if audio_out.format is not UNSET:
-                changes["output_format"] = _format(audio_out.format, "session.audio.output.format")
-            if audio_out.voice is not UNSET:
-                voice = _voice(audio_out.voice, resolve_voice, "session.audio.output.voice")
-                if voice != config.voice and voice_locked:
-                    raise ConfigRefused(
-                        "voice_locked",
-                        "the voice cannot change once the session has sent audio",
-                        "session.audio.output.voice",
-                    )
-                changes["voice"] = voice
-            if audio_out.speed is not UNSET:
-                changes["speed"] = _speed(audio_out.speed, caps)
+    if input_format is not UNSET:
+        changes["input_format"] = _format(input_format, input_format_param)
+    if audio_in.transcription is not UNSET:
+        kept["transcription"] = audio_in.transcription
+    if audio_in.noise_reduction is not UNSET:
+        kept["noise_reduction"] = audio_in.noise_reduction
+    if audio_in.turn_detection is not UNSET:
+        changes["turn_detection"] = _turn_detection(audio_in.turn_detection, config.turn_detection, caps)
+    if output_format is not UNSET:
+        changes["output_format"] = _format(output_format, output_format_param)
+    if voice_value is not UNSET:
+        voice = _voice(voice_value, resolve_voice, caps, voice_param)
+        if voice != config.voice and voice_locked:
+            raise ConfigRefused("voice_locked", "the voice cannot change once the session has sent audio", voice_param)
+        changes["voice"] = voice
+    if audio_out.speed is not UNSET:
+        changes["speed"] = _speed(audio_out.speed, caps)
     if kept:
         changes["passthrough"] = msgspec.structs.replace(config.passthrough, **kept)
+    if ignored:
+        changes["ignored"] = tuple(dict.fromkeys([*config.ignored, *ignored]))[:MAX_IGNORED_FIELDS]
     return msgspec.structs.replace(config, **changes)
 
 
@@ -227,6 +262,7 @@ def unused_fields(config: RealtimeConfig, caps: RealtimeCapabilities) -> list[st
         unused.append("session.audio.input.noise_reduction")
     if config.turn_detection is not None:
         unused.extend(config.turn_detection.unused)
+    unused.extend(config.ignored)
     return unused
 
 
@@ -268,7 +304,7 @@ def response_settings(
         if output.format is not None:
             changes["output_format"] = _format(output.format, "response.audio.output.format")
         if output.voice is not None:
-            voice = _voice(output.voice, resolve_voice, "response.audio.output.voice")
+            voice = _voice(output.voice, resolve_voice, caps, "response.audio.output.voice")
             if voice != config.voice:
                 raise ConfigRefused(
                     "unsupported", "a response speaks with the session's voice", "response.audio.output.voice"
@@ -352,11 +388,40 @@ def _format(fmt: AudioFormat, param: str) -> str:
     return fmt.type
 
 
-def _voice(voice: str | dict[str, Any], resolve_voice: VoiceResolver, param: str) -> str:
+def _voice(voice: str | dict[str, Any], resolve_voice: VoiceResolver, caps: RealtimeCapabilities, param: str) -> str:
     name = voice.get("id") if isinstance(voice, dict) else voice
     if not isinstance(name, str) or not name:
         raise ConfigRefused("invalid_value", "voice must be a voice name", param)
-    return resolve_voice(name)
+    resolved = resolve_voice(name)
+    if resolved not in caps.voices:
+        raise ConfigRefused("unknown_voice", unknown_voice_message(name, caps.voices, caps.voice_aliases), param)
+    return resolved
+
+
+def _ga_or_beta(ga: Any, ga_param: str, beta: Any, beta_param: str, ignored: list[str]) -> tuple[Any, str]:
+    """The GA field's value and name when the client set it, else its beta-shaped equivalent's; a beta field sent
+    beside its GA field is not used."""
+    if beta is UNSET:
+        return ga, ga_param
+    if ga is not UNSET:
+        ignored.append(beta_param)
+        return ga, ga_param
+    return beta, beta_param
+
+
+def _beta_modalities(modalities: list[str] | UnsetType) -> list[str] | UnsetType:
+    """Beta ``["text", "audio"]`` is GA's ``["audio"]`` (audio comes with its transcript); ``["text"]`` is text."""
+    if modalities is UNSET or "audio" not in modalities or not set(modalities) <= {"audio", "text"}:
+        return modalities
+    return ["audio"]
+
+
+def _beta_format(name: str | UnsetType, param: str) -> AudioFormat | UnsetType:
+    if name is UNSET:
+        return UNSET
+    if name not in BETA_FORMATS:
+        raise ConfigRefused("unsupported_format", f"audio format must be one of {list(BETA_FORMATS)}", param)
+    return AudioFormat(type=BETA_FORMATS[name])
 
 
 def _speed(speed: float, caps: RealtimeCapabilities) -> float:

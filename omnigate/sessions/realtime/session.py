@@ -435,6 +435,7 @@ class RealtimeSession:
             served_models=self._served_models,
             resolve_voice=self._resolve_voice,
             voice_locked=self._audio_sent,
+            unknown=event.unknown_fields,
         )
         speech = (config.voice, config.speed, config.instructions if self.caps.instructions else "")
         if speech != (self.config.voice, self.config.speed, self.config.instructions if self.caps.instructions else ""):
