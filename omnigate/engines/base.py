@@ -182,6 +182,11 @@ MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 
 
+def speakable(text: str) -> bool:
+    """Whether ``text`` has anything to speak: a letter or a digit (punctuation, symbols and spaces alone are not)."""
+    return any(ch.isalnum() for ch in text)
+
+
 def validate_params(info: EngineInfo, params: SynthesisParams) -> None:
     """Refuse what the engine cannot honour instead of ignoring it. Raises :class:`EngineError`.
 
