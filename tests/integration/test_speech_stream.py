@@ -185,10 +185,14 @@ async def test_session_close_finishes_flushed_speech_then_closes(synthetic_serve
 
 
 async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_session_survives() -> None:
-    with serve(Settings(engine="synthetic", model="ms_per_char=5", max_utterance_chars=100)) as server:
+    # The segmenter's timer must not release the first text before the second arrives (its audio.start would then
+    # race the error): it is set far beyond the test's length.
+    settings = Settings(engine="synthetic", model="ms_per_char=5", max_utterance_chars=100, segment_max_wait_ms=600_000)
+    with serve(settings) as server:
         async with connect(server.ws_url + STREAM) as ws:
             await send(ws, "session.config", response_format="pcm")
-            words = "many words and no full stop " * 2  # 56 characters: held by the segmenter, nothing spoken yet
+            # 56 characters in two words, no mark: no boundary and no first-unit cut (3 words), nothing spoken yet.
+            words = "many-words-and-no-full-stop " * 2
             await send(ws, "input.text", text=words)
             await send(ws, "input.text", text=words)
             error = await next_json(ws)
@@ -197,8 +201,30 @@ async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_sessi
             await send(ws, "input.done")
             utt = await collect_utterance(ws)
             assert utt.end is not None and utt.end["status"] == "completed"
-            assert " ".join(s["sentence_text"] for s in utt.starts) == words.strip()  # first unit cut short
+            assert [s["sentence_text"] for s in utt.starts] == [words.strip()]
             await send(ws, "input.text", text=words + "end.")
             await send(ws, "input.done")
             utt = await collect_utterance(ws)
             assert utt.end is not None and utt.end["status"] == "completed" and len(utt.pcm) > 0
+
+
+async def test_text_with_nothing_to_speak_is_refused_typed_and_the_session_survives(
+    synthetic_server: RunningServer,
+) -> None:
+    async with connect(synthetic_server.ws_url + STREAM) as ws:
+        await send(ws, "session.config", response_format="pcm")
+        await send(ws, "input.text", text="...!!!")
+        await send(ws, "input.done")
+        error = await next_json(ws)
+        assert error["type"] == "error" and error["code"] == "nothing_to_speak" and error["param"] == "text"
+        done = await next_json(ws)
+        assert done["type"] == "session.done" and done["utterance_index"] == 0
+        assert done["status"] == "error" and done["total_sentences"] == 0
+        # Punctuation inside an utterance with words is no sentence of its own; the session goes on.
+        await send(ws, "input.text", text="Now words. ")
+        await send(ws, "input.text", text="?! ")
+        await send(ws, "input.done")
+        utt = await collect_utterance(ws)
+        assert utt.end is not None and utt.end["status"] == "completed" and utt.end["utterance_index"] == 1
+        assert [s["sentence_text"] for s in utt.starts] == ["Now words."]
+        assert len(utt.pcm) == round(synthetic_ms("Now words.") / 1000 * 24000) * 2
