@@ -191,6 +191,11 @@ def unknown_voice_message(voice: str, served: Iterable[str], aliases: Iterable[s
     return message
 
 
+def speakable(text: str) -> bool:
+    """Whether ``text`` has anything to speak: a letter or a digit (punctuation, symbols and spaces alone are not)."""
+    return any(ch.isalnum() for ch in text)
+
+
 def validate_params(info: EngineInfo, params: SynthesisParams) -> None:
     """Refuse what the engine cannot honour instead of ignoring it. Raises :class:`EngineError`.
 

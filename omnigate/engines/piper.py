@@ -44,6 +44,7 @@ from omnigate.engines.base import (
     StreamDone,
     SynthesisParams,
     VoiceInfo,
+    speakable,
     validate_params,
 )
 from omnigate.engines.cpus import available_cpus
@@ -62,6 +63,11 @@ _WARM_UP_TEXT = "Hello, this is a short sentence to warm up the voice."
 TRIM_EVERY_CALLS = 32
 # Phonemes after which a piece may end, best first: clause and sentence marks, then a word boundary.
 _PIECE_MARKS = frozenset(",;:.!?")
+# A unit's first piece is peak-normalized to PEAK (-1 dBFS), not to full scale as piper does (then every unit reached
+# 32767, and a later piece louder than its unit's first was clipped); louder samples of later pieces bend along a soft
+# knee towards CEILING and never reach full scale. The curve is per sample: no gain pumps between chunks.
+PEAK = 0.89
+CEILING = 0.98
 
 
 class PiperOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -214,7 +220,7 @@ class PiperEngine(Engine):
         """Phoneme ids of the onnxruntime calls that speak ``text``: one per sentence piper finds in it, and a
         sentence longer than ``piece_ms`` of audio (``first_ms`` for the first piece) cut at a clause mark or word
         boundary."""
-        if not any(ch.isalnum() for ch in text):
+        if not speakable(text):
             return []
         limit = max(8, int(self._piece_ms * speed / self._ms_per_phoneme))
         first = limit if first_ms is None else max(8, min(limit, int(first_ms * speed / self._ms_per_phoneme)))
@@ -232,7 +238,7 @@ class PiperEngine(Engine):
     def _synthesize_ids(
         self, ids: list[int], *, speaker_id: int | None, speed: float, gain: float | None
     ) -> tuple[npt.NDArray[np.int16], float]:
-        """One onnxruntime call. Piper peak-normalizes each call; the pieces of a unit share its first piece's gain
+        """One onnxruntime call, peak-normalized to PEAK; the pieces of a unit share its first piece's gain
         (returned), so a cut sentence does not change loudness where it was cut."""
         config = SynthesisConfig(speaker_id=speaker_id, length_scale=self._length_scale / speed)
         audio = np.asarray(self.voice.phoneme_ids_to_audio(ids, config), dtype=np.float32)
@@ -240,9 +246,8 @@ class PiperEngine(Engine):
             self._libc.malloc_trim(0)
         if gain is None:
             peak = float(np.max(np.abs(audio))) if audio.size else 0.0
-            gain = 1.0 / peak if peak > 1e-8 else 0.0
-        scaled = np.clip(audio * (gain * 32767.0), -32767.0, 32767.0)
-        return scaled.astype(np.int16), gain
+            gain = PEAK / peak if peak > 1e-8 else 0.0
+        return _to_int16(audio * gain), gain
 
     def _step_one(self, stream: PiperStream, budget_ms: float) -> list[EngineOutput]:
         out: list[EngineOutput] = []
@@ -329,6 +334,16 @@ class PiperEngine(Engine):
             stream.position += n
             stream.emitted_samples += n
             budget -= n
+
+
+def _to_int16(audio: npt.NDArray[np.float32]) -> npt.NDArray[np.int16]:
+    """Samples scaled to full scale 1.0 as int16, with magnitudes above PEAK softly limited below CEILING."""
+    loud = np.abs(audio) > PEAK
+    if loud.any():
+        over = audio[loud]
+        knee = CEILING - PEAK
+        audio[loud] = np.sign(over) * (PEAK + knee * np.tanh((np.abs(over) - PEAK) / knee))
+    return (audio * 32767.0).astype(np.int16)
 
 
 def _piece_end(phonemes: list[str], limit: int) -> int:

@@ -30,6 +30,7 @@ from omnigate.engines.base import (
     StreamDone,
     SynthesisParams,
     VoiceInfo,
+    speakable,
     validate_params,
 )
 
@@ -191,8 +192,8 @@ class SyntheticEngine(Engine):
         stream.next_index += 1
         stream.in_segment = True
         stream.position = 0
-        speakable = sum(1 for ch in text if not ch.isspace()) if any(ch.isalnum() for ch in text) else 0
-        duration_ms = self.config.ms_per_char * speakable / stream.params.speed
+        spoken_chars = sum(1 for ch in text if not ch.isspace()) if speakable(text) else 0
+        duration_ms = self.config.ms_per_char * spoken_chars / stream.params.speed
         stream.segment_samples = round(duration_ms * self._sample_rate / 1000.0)
         stream.frequency_hz = BASE_FREQUENCY_HZ * (1.0 + 0.25 * (stream.segment_index % 4))
         if stream.params.voice == NOISE_VOICE:

@@ -5,6 +5,13 @@ from __future__ import annotations
 import msgspec
 
 from omnigate.engines.admission import AdmissionPolicy
+from omnigate.engines.base import MIN_SPEED
+
+# OpenAI's limit on the input of one speech request.
+MAX_INPUT_CHARS = 4096
+# The slowest speech the audio limit is sized for: 10 characters a second at speed 1 (slow, deliberate reading;
+# piper's voice reads the load-test corpus at 16.5), slower still by the request's speed.
+SLOWEST_CHARS_PER_S = 10.0
 
 
 class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,9 +94,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     ws_max_text_event_bytes: int = 128 * 1024
     ws_max_config_bytes: int = 4 * 1024 * 1024
     http_max_body_bytes: int = 1024 * 1024
-    max_input_chars: int = 4096  # one HTTP request's input
+    max_input_chars: int = MAX_INPUT_CHARS  # one HTTP request's input
     # speech-stream text: one utterance's (input.text events up to input.done), and accepted but not yet spoken
-    # per session (16 384 characters are some 18 minutes of speech, beyond max_utterance_audio_s)
+    # per session (16 384 characters are some 17 minutes of speech at speed 1)
     max_utterance_chars: int = 16_384
     max_pending_input_chars: int = 65_536
     # timeouts
@@ -102,7 +109,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     http_outbox_ms: float = 4000.0
     webrtc_outbox_ms: float = 500.0  # the RTP track consumes exactly in real time
     outbox_bytes: int = 2 * 1024 * 1024
-    max_utterance_audio_s: float = 120.0
+    # the longest input at the slowest speech and speed fits (1638.4 s): no request the API accepts is cut
+    max_utterance_audio_s: float = MAX_INPUT_CHARS / (SLOWEST_CHARS_PER_S * MIN_SPEED)
     ttfa_target_s: float = 0.25
     # admission: "headroom" admits a stream only while the engine keeps every admitted stream on time; "slots" admits
     # up to the engine's slot count

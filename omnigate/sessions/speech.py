@@ -12,6 +12,8 @@ Rules kept here:
 - Cancel bumps the epoch, aborts engine work, purges queued media of the old epoch and ends every pending utterance.
   Nothing of an old epoch is emitted after its terminal event.
 - Config is validated before any engine work, is sticky, and cannot change while text is buffered.
+- Text without a letter or digit never reaches the engine; an utterance of nothing else is refused typed
+  (``nothing_to_speak``), while one without any text (an ``input.done`` alone) completes empty.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from omnigate.engines.base import (
     EngineOutput,
     StreamDone,
     SynthesisParams,
+    speakable,
     validate_params,
 )
 from omnigate.engines.base import SegmentDone as EngineSegmentDone
@@ -397,6 +400,10 @@ class SpeechSession:
             self._ensure_collecting()
         utt = self._collecting
         assert utt is not None
+        if not speakable(unit):
+            # Punctuation alone ("...", released by the segmenter's timer or the flush) makes no sound: the engine
+            # is not opened for it, and an utterance of nothing else is refused when it comes to be spoken.
+            return []
         if utt.opened:
             return [PushText(utt.index, unit)]
         utt.units.append(unit)
@@ -415,7 +422,7 @@ class SpeechSession:
                     head.units.clear()
                 elif head.flushed:
                     self._queue.pop(0)
-                    actions.append(Emit(UtteranceDone(head.epoch, head.index, 0, "completed")))
+                    actions.extend(self._end_unspoken(head))
                     continue
                 else:
                     break
@@ -425,6 +432,17 @@ class SpeechSession:
             break
         actions.extend(self._maybe_close())
         return actions
+
+    def _end_unspoken(self, utt: _Utterance) -> list[Action]:
+        """The terminal events of a flushed utterance that gave the engine nothing: completed when it had no text
+        (an input.done alone), refused with ``nothing_to_speak`` when its text had no letter or digit."""
+        if not utt.chars:
+            return [Emit(UtteranceDone(utt.epoch, utt.index, 0, "completed"))]
+        message = "the utterance's text has nothing to speak (no letter or digit)"
+        return [
+            Emit(ErrorEvent("nothing_to_speak", message, param="text")),
+            Emit(UtteranceDone(utt.epoch, utt.index, 0, "error", message)),
+        ]
 
     def _finish_head(self, status: UtteranceStatus, error: str | None, aborted: bool = False) -> list[Action]:
         head = self._queue.pop(0)

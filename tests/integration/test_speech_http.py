@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from omnigate.gateway.settings import Settings
 from tests.audio_checks import decode, speech_fraction, synthetic_ms
-from tests.serving import RunningServer
+from tests.serving import RunningServer, serve
 
 SPEECH = "/v1/audio/speech"
 
@@ -134,3 +137,77 @@ async def test_info_routes(synthetic_server: RunningServer) -> None:
         assert voices["default"] == "tone"
         metrics = (await client.get("/metrics")).text
         assert "omnigate_sessions_active" in metrics and "omnigate_engine_free_slots" in metrics
+
+
+async def test_input_with_nothing_to_speak_is_refused_typed(synthetic_server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=synthetic_server.http_url) as client:
+        r = await client.post(SPEECH, json={"model": "tts-1", "input": "...!!!", "voice": "alloy"})
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "input has nothing to speak (no letter or digit)",
+        "type": "invalid_request_error",
+        "param": "input",
+        "code": "nothing_to_speak",
+    }
+
+
+async def test_long_input_within_the_api_limit_is_spoken_whole_by_default(synthetic_server: RunningServer) -> None:
+    # 3,780 characters (OpenAI's limit is 4,096) are 227 s of synthetic audio: more than the old 120 s default.
+    text = "A sentence of words. " * 180
+    async with httpx.AsyncClient(base_url=synthetic_server.http_url, timeout=60) as client:
+        body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": "pcm"}
+        async with client.stream("POST", SPEECH, json=body) as r:
+            assert r.status_code == 200
+            pcm = b"".join([chunk async for chunk in r.aiter_bytes()])
+    assert len(pcm) == round(synthetic_ms(text) / 1000 * 24000) * 2
+    # The longest input at the slowest speed is taken too (its audio is not waited for).
+    async with httpx.AsyncClient(base_url=synthetic_server.http_url) as client:
+        body = {"model": "tts-1", "input": "word " * 819 + "x", "voice": "alloy", "speed": 0.25}
+        async with client.stream("POST", SPEECH, json=body) as r:
+            assert r.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def capped_server() -> Iterator[RunningServer]:
+    # 150 ms a character is slower than the 10 characters a second the audio limit is sized for.
+    with serve(Settings(engine="synthetic", model="ms_per_char=150", max_utterance_audio_s=10.0)) as server:
+        yield server
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.5])
+async def test_input_that_may_not_fit_the_audio_limit_is_refused_up_front(
+    capped_server: RunningServer, speed: float
+) -> None:
+    fits = int(100 * speed)  # 10 s of audio at 10 characters a second, slower by the speed
+    async with httpx.AsyncClient(base_url=capped_server.http_url) as client:
+        body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "speed": speed}
+        r = await client.post(SPEECH, json={**body, "input": "x" * (fits + 1)})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["code"] == "string_above_max_length" and error["param"] == "input"
+        assert f"longer than {fits} characters" in error["message"]
+        r = await client.post(SPEECH, json={**body, "input": "x" * (fits // 4)})
+        assert r.status_code == 200 and len(r.content) > 0
+
+
+async def test_audio_cut_at_the_limit_is_not_a_complete_response(capped_server: RunningServer) -> None:
+    # Accepted (90 characters may need 9 s), but this engine speaks them in 13.5 s: the limit cuts the audio.
+    body = {"model": "tts-1", "input": "x" * 90, "voice": "alloy", "response_format": "pcm"}
+    async with httpx.AsyncClient(base_url=capped_server.http_url) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post(SPEECH, json=body)
+        events: list[dict[str, Any]] = []
+        with pytest.raises(httpx.RemoteProtocolError):
+            await read_sse(client, {**body, "stream_format": "sse"}, events)
+    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "max_duration"
+    assert "limit of 10 s" in events[-1]["error"]["message"]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert len(audio) == 10 * 24000 * 2
+
+
+async def read_sse(client: httpx.AsyncClient, body: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """Append the SSE events of a speech request to ``events`` as they arrive."""
+    async with client.stream("POST", SPEECH, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))

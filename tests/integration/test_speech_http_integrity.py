@@ -99,13 +99,19 @@ async def test_over_sse_a_cut_off_stream_gets_an_error_event_then_is_aborted() -
 
 
 async def test_a_session_closed_mid_speech_aborts_the_body() -> None:
-    # Generation in real time, so the session's maximum duration ends it while it speaks.
-    settings = Settings(engine="synthetic", model="rtf=1", max_session_s=0.5)
-    with serve(settings) as server:
+    # Generation in real time, so the session still speaks when it is ended, as its maximum duration ends it, once
+    # the client has audio (a timer that could run out before the first chunk would decide nothing of the body).
+    with serve(Settings(engine="synthetic", model="rtf=1")) as server:
         async with httpx.AsyncClient(base_url=server.http_url, timeout=LIMIT_S) as client:
             chunks: list[bytes] = []
+
+            def end_the_session() -> None:
+                for lease in list(server.gateway.registry.leases):
+                    if lease.driver is not None:
+                        lease.driver.fail("max_duration", "the session reached its maximum duration")
+
             with pytest.raises(httpx.RemoteProtocolError):
-                await stream_into(client, body("mp3"), chunks)
+                await stream_into(client, body("mp3"), chunks, lambda: server.call(end_the_session))
             assert chunks
         await wait_until_no_sessions(server)
 

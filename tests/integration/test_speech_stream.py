@@ -27,7 +27,8 @@ async def test_piper_speech_streams_before_input_done_and_is_speech(piper_server
         start = await next_json(ws)
         assert start["type"] == "audio.start"
         assert start["utterance_index"] == 0 and start["sentence_index"] == 0
-        assert start["sentence_text"].startswith("The quick brown")
+        # The first unit is short (three words, fewer when the segmenter's timer released it before the next word).
+        assert start["sentence_text"] and sentence.startswith(start["sentence_text"])
         assert start["sample_rate"] == 22050 and start["format"] == "pcm"
         await send(ws, "input.text", text=" it ran away into the forest.")
         await send(ws, "input.done")
@@ -83,53 +84,54 @@ async def test_every_format_decodes_with_the_announced_rate(synthetic_server: Ru
     assert (-1 < excess_ms < 90) if fmt in ("mp3", "aac") else abs(excess_ms) < 1
 
 
-async def test_bad_messages_get_one_typed_error_each_and_the_session_survives(
-    synthetic_server: RunningServer,
-) -> None:
-    async with connect(synthetic_server.ws_url + STREAM) as ws:
-        await send(ws, "input.text", text="before config")
-        assert (await next_json(ws))["code"] == "no_config"
-        await ws.send("{not json")
-        assert (await next_json(ws))["code"] == "invalid_json"
-        await ws.send(json.dumps({"type": "input.dance"}))
-        assert (await next_json(ws))["code"] == "unknown_event"
-        await ws.send(json.dumps(["type", "input.text"]))
-        assert (await next_json(ws))["code"] == "invalid_event"
-        await ws.send(json.dumps({"type": "input.text"}))
-        error = await next_json(ws)
-        assert error["code"] == "invalid_event" and "text" in error["message"]
-        await ws.send(json.dumps({"type": "input.text", "text": 42}))
-        assert (await next_json(ws))["code"] == "invalid_event"
-        await ws.send(b"\x00\x01")
-        assert (await next_json(ws))["code"] == "invalid_message"
-        await send(ws, "session.config", voice="nobody")
-        error = await next_json(ws)
-        assert error["code"] == "unknown_voice" and error["type"] == "error"
-        await send(ws, "session.config", response_format="ogg-vorbis")
-        assert (await next_json(ws))["code"] == "unsupported_format"
-        await send(ws, "session.config", model="no-such-model")
-        assert (await next_json(ws))["code"] == "model_not_found"
-        await send(ws, "session.config", ref_audio="data:audio/wav;base64,AAAA")
-        assert (await next_json(ws))["code"] == "unsupported"
-        await send(ws, "session.config", colour="blue")
-        assert (await next_json(ws))["code"] == "invalid_event"
-        await send(ws, "input.text", text="x" * (129 * 1024))
-        assert (await next_json(ws))["code"] == "message_too_large"
-        # vllm-omni clients' fields are accepted.
-        await send(
-            ws,
-            "session.config",
-            speaker="tone",
-            task_type="CustomVoice",
-            language="en",
-            response_format="pcm",
-        )
-        await send(ws, "input.text", text="buffered without punctuation")
-        await send(ws, "session.config", voice="noise")
-        assert (await next_json(ws))["code"] == "config_while_busy"
-        await send(ws, "input.done")
-        utt = await collect_utterance(ws)
-        assert utt.end is not None and utt.end["status"] == "completed" and len(utt.pcm) > 0
+async def test_bad_messages_get_one_typed_error_each_and_the_session_survives() -> None:
+    # The segmenter's timer must not release the buffered text before session.config is refused (its audio.start
+    # would then race the error): it is set far beyond the test's length.
+    with serve(Settings(engine="synthetic", segment_max_wait_ms=600_000)) as server:
+        async with connect(server.ws_url + STREAM) as ws:
+            await send(ws, "input.text", text="before config")
+            assert (await next_json(ws))["code"] == "no_config"
+            await ws.send("{not json")
+            assert (await next_json(ws))["code"] == "invalid_json"
+            await ws.send(json.dumps({"type": "input.dance"}))
+            assert (await next_json(ws))["code"] == "unknown_event"
+            await ws.send(json.dumps(["type", "input.text"]))
+            assert (await next_json(ws))["code"] == "invalid_event"
+            await ws.send(json.dumps({"type": "input.text"}))
+            error = await next_json(ws)
+            assert error["code"] == "invalid_event" and "text" in error["message"]
+            await ws.send(json.dumps({"type": "input.text", "text": 42}))
+            assert (await next_json(ws))["code"] == "invalid_event"
+            await ws.send(b"\x00\x01")
+            assert (await next_json(ws))["code"] == "invalid_message"
+            await send(ws, "session.config", voice="nobody")
+            error = await next_json(ws)
+            assert error["code"] == "unknown_voice" and error["type"] == "error"
+            await send(ws, "session.config", response_format="ogg-vorbis")
+            assert (await next_json(ws))["code"] == "unsupported_format"
+            await send(ws, "session.config", model="no-such-model")
+            assert (await next_json(ws))["code"] == "model_not_found"
+            await send(ws, "session.config", ref_audio="data:audio/wav;base64,AAAA")
+            assert (await next_json(ws))["code"] == "unsupported"
+            await send(ws, "session.config", colour="blue")
+            assert (await next_json(ws))["code"] == "invalid_event"
+            await send(ws, "input.text", text="x" * (129 * 1024))
+            assert (await next_json(ws))["code"] == "message_too_large"
+            # vllm-omni clients' fields are accepted.
+            await send(
+                ws,
+                "session.config",
+                speaker="tone",
+                task_type="CustomVoice",
+                language="en",
+                response_format="pcm",
+            )
+            await send(ws, "input.text", text="buffered without punctuation")
+            await send(ws, "session.config", voice="noise")
+            assert (await next_json(ws))["code"] == "config_while_busy"
+            await send(ws, "input.done")
+            utt = await collect_utterance(ws)
+            assert utt.end is not None and utt.end["status"] == "completed" and len(utt.pcm) > 0
 
 
 async def test_message_over_the_transport_limit_closes_with_1009(synthetic_server: RunningServer) -> None:
@@ -185,10 +187,14 @@ async def test_session_close_finishes_flushed_speech_then_closes(synthetic_serve
 
 
 async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_session_survives() -> None:
-    with serve(Settings(engine="synthetic", model="ms_per_char=5", max_utterance_chars=100)) as server:
+    # The segmenter's timer must not release the first text before the second arrives (its audio.start would then
+    # race the error): it is set far beyond the test's length.
+    settings = Settings(engine="synthetic", model="ms_per_char=5", max_utterance_chars=100, segment_max_wait_ms=600_000)
+    with serve(settings) as server:
         async with connect(server.ws_url + STREAM) as ws:
             await send(ws, "session.config", response_format="pcm")
-            words = "many words and no full stop " * 2  # 56 characters: held by the segmenter, nothing spoken yet
+            # 56 characters in two words, no mark: no boundary and no first-unit cut (3 words), nothing spoken yet.
+            words = "many-words-and-no-full-stop " * 2
             await send(ws, "input.text", text=words)
             await send(ws, "input.text", text=words)
             error = await next_json(ws)
@@ -197,8 +203,30 @@ async def test_text_per_utterance_and_per_session_is_bounded_typed_and_the_sessi
             await send(ws, "input.done")
             utt = await collect_utterance(ws)
             assert utt.end is not None and utt.end["status"] == "completed"
-            assert " ".join(s["sentence_text"] for s in utt.starts) == words.strip()  # first unit cut short
+            assert [s["sentence_text"] for s in utt.starts] == [words.strip()]
             await send(ws, "input.text", text=words + "end.")
             await send(ws, "input.done")
             utt = await collect_utterance(ws)
             assert utt.end is not None and utt.end["status"] == "completed" and len(utt.pcm) > 0
+
+
+async def test_text_with_nothing_to_speak_is_refused_typed_and_the_session_survives(
+    synthetic_server: RunningServer,
+) -> None:
+    async with connect(synthetic_server.ws_url + STREAM) as ws:
+        await send(ws, "session.config", response_format="pcm")
+        await send(ws, "input.text", text="...!!!")
+        await send(ws, "input.done")
+        error = await next_json(ws)
+        assert error["type"] == "error" and error["code"] == "nothing_to_speak" and error["param"] == "text"
+        done = await next_json(ws)
+        assert done["type"] == "session.done" and done["utterance_index"] == 0
+        assert done["status"] == "error" and done["total_sentences"] == 0
+        # Punctuation inside an utterance with words is no sentence of its own; the session goes on.
+        await send(ws, "input.text", text="Now words. ")
+        await send(ws, "input.text", text="?! ")
+        await send(ws, "input.done")
+        utt = await collect_utterance(ws)
+        assert utt.end is not None and utt.end["status"] == "completed" and utt.end["utterance_index"] == 1
+        assert [s["sentence_text"] for s in utt.starts] == ["Now words."]
+        assert len(utt.pcm) == round(synthetic_ms("Now words.") / 1000 * 24000) * 2

@@ -141,7 +141,8 @@ async def test_speech_arrives_on_the_track(rtc_piper_server: RunningServer) -> N
         await listener.until(lambda: listener.finished(0))
     start = listener.of("audio.start")[0]
     assert start["format"] == "opus" and start["sample_rate"] == RATE
-    assert start["sentence_text"].startswith("The quick brown")
+    # The first unit is short (three words, fewer when the segmenter's timer released it before the next word came).
+    assert start["sentence_text"] and SENTENCES.startswith(start["sentence_text"])
     done = listener.done(0)
     assert done is not None and done["status"] == "completed" and done["total_sentences"] >= 2
     assert all(d["total_bytes"] > 0 for d in listener.of("audio.done"))

@@ -23,6 +23,7 @@ from omnigate.engines.base import (
     SynthesisParams,
 )
 from omnigate.engines.piper import PiperEngine, PiperOptionError, PiperStream
+from omnigate.loadtest.corpus import load_corpus
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 TWO_SENTENCES = ("Hello there, how are you today?", "I am fine, thank you.")
@@ -276,3 +277,11 @@ def test_a_long_unit_is_synthesized_in_bounded_pieces_as_one_segment(vad: Silero
 def test_warm_up_measures_the_cost_admission_starts_from(engine: PiperEngine) -> None:
     assert engine.info.rtf_hint is not None and 0.0 < engine.info.rtf_hint < 5.0
     assert engine.info.workers == 1
+
+
+def test_corpus_speech_leaves_headroom_below_full_scale(engine: PiperEngine) -> None:
+    # Whole paragraphs as units: the longer ones are synthesized in several pieces that share the first one's gain.
+    for text in load_corpus()[:4]:
+        pcm = samples_of(run_to_end(engine, open_stream(engine, [text]))) * 32767.0
+        peak = float(np.max(np.abs(pcm)))
+        assert 0.85 * 32767 < peak < 32767, text

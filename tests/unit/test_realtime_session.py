@@ -172,6 +172,16 @@ def test_a_response_runs_in_protocol_order_and_ends_once() -> None:
     assert h.session.idle
 
 
+def test_assistant_text_without_a_letter_or_digit_is_nothing_to_speak() -> None:
+    h = Harness()
+    h.send(assistant("...!!!"))
+    h.drain()
+    h.send(event("response.create", event_id="client_9"))
+    [error] = h.drain()
+    assert error["error"]["code"] == "nothing_to_speak" and error["error"]["event_id"] == "client_9"
+    assert h.session.idle
+
+
 def test_every_event_has_an_id_and_errors_name_the_client_event() -> None:
     h = Harness()
     h.drain()

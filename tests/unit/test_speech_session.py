@@ -126,6 +126,24 @@ def test_empty_flush_completes_with_zero_sentences() -> None:
     assert events(s.handle(Flush(), 0.0)) == [UtteranceDone(0, 0, 0, "completed")]
 
 
+def test_text_with_nothing_to_speak_is_refused_typed_and_never_reaches_the_engine() -> None:
+    s = configured()
+    # The segmenter's timer releases the marks before the flush; neither release opens the engine.
+    actions = s.handle(AppendText("... !!!"), 0.0) + s.poll(10_000.0) + s.handle(Flush(), 10_000.0)
+    assert not any(isinstance(a, OpenStream | PushText) for a in actions)
+    error, done = events(actions)
+    assert isinstance(error, ErrorEvent) and error.code == "nothing_to_speak" and error.param == "text"
+    assert done == UtteranceDone(0, 0, 0, "error", error.message)
+    s.handle(AppendText("Words."), 10_001.0)
+    assert OpenStream(1, s.params) in s.handle(Flush(), 10_001.0)  # type: ignore[arg-type]
+
+
+def test_marks_alone_after_words_are_not_sent_to_the_engine() -> None:
+    s = configured()
+    actions = s.handle(AppendText("Hello there. "), 0.0) + s.handle(AppendText("?! "), 0.0) + s.handle(Flush(), 0.0)
+    assert [a for a in actions if isinstance(a, PushText)] == [PushText(0, "Hello there. ")]
+
+
 def test_cancel_fences_the_epoch_and_ends_every_pending_utterance() -> None:
     s = configured()
     s.handle(AppendText("Speaking now. "), 0.0)

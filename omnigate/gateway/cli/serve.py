@@ -294,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=_DEFAULTS.max_utterance_audio_s,
         help="seconds of audio one utterance (one HTTP response) may produce; then the engine stops it and it ends "
-        "with status max_duration (the session goes on)",
+        "with status max_duration (the session goes on). The default fits 4096 characters read at 10 a second at "
+        "speed 0.25; an HTTP request that may need more (read at 10 characters a second, slower by its speed) is "
+        "refused up front",
     )
     rtc = serve.add_argument_group("WebRTC (POST /v1/realtime/calls, the talk page at /)")
     rtc.add_argument(

@@ -1,12 +1,16 @@
 """``POST /v1/audio/speech``: OpenAI's TTS API, streamed with chunked transfer (or SSE with ``stream_format=sse``).
 
-A response whose speech is cut off after the audio began (the engine failed, the session was closed) is aborted,
-never finished as if complete (see :mod:`omnigate.gateway.speech.http_stream`); over SSE an ``error`` event comes first.
+A response whose speech is cut off after the audio began (the engine failed, the session was closed, the audio
+reached ``max_utterance_audio_s``) is aborted, never finished as if complete (see
+:mod:`omnigate.gateway.speech.http_stream`); over SSE an ``error`` event comes first. An input that may need more
+audio than that limit, read at :data:`~omnigate.gateway.settings.SLOWEST_CHARS_PER_S` and the request's speed, is
+refused before any audio.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import AsyncGenerator
 from typing import Literal
 
@@ -15,8 +19,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
+from omnigate.engines.base import speakable
 from omnigate.gateway.errors import UNDECODABLE, HttpError, describe_validation_error
 from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.settings import SLOWEST_CHARS_PER_S
 from omnigate.gateway.speech.audio_out import AudioOut
 from omnigate.gateway.speech.http_stream import AbortableStreamingResponse, BodyAborted
 from omnigate.gateway.speech.voices import resolve_voice
@@ -81,6 +87,8 @@ def _parse(body: bytes, gateway: Gateway) -> tuple[SpeechRequest, SessionConfig]
         raise HttpError(404, f"model {req.model!r} is not served", code="model_not_found", param="model")
     if not req.input.strip():
         raise HttpError(400, "input must not be empty", code="invalid_value", param="input")
+    if not speakable(req.input):
+        raise HttpError(400, "input has nothing to speak (no letter or digit)", code="nothing_to_speak", param="input")
     if len(req.input) > gateway.settings.max_input_chars:
         raise HttpError(
             400,
@@ -103,7 +111,22 @@ def _parse(body: bytes, gateway: Gateway) -> tuple[SpeechRequest, SessionConfig]
         synthesis_params(info, config)
     except ConfigError as exc:
         raise HttpError(400, exc.message, code=exc.code, param=exc.param) from None
+    _check_audio_limit(len(req.input), req.speed, gateway.settings.max_utterance_audio_s)
     return req, config
+
+
+def _check_audio_limit(chars: int, speed: float, limit_s: float) -> None:
+    """Refuse, before any audio, an input that may need more audio than the limit (at the slowest speech the
+    limit is sized for): the audio of an accepted request is not cut short by the limit."""
+    fits = math.floor(limit_s * SLOWEST_CHARS_PER_S * speed + 1e-6)  # 4096.0 may come out as 4095.99...
+    if chars > fits:
+        raise HttpError(
+            400,
+            f"input is longer than {fits} characters, the most this server speaks at speed {speed:g} within its "
+            f"limit of {limit_s:g} s of audio per request",
+            code="string_above_max_length",
+            param="input",
+        )
 
 
 async def speech_endpoint(request: Request) -> Response:
@@ -167,6 +190,10 @@ async def speech_endpoint(request: Request) -> Response:
                 elif isinstance(event, UtteranceDone):
                     if event.status in ("error", "cancelled"):
                         raise SpeechCutOff(error or ErrorEvent("generation_failed", event.error or event.status))
+                    if event.status == "max_duration":
+                        limit_s = gateway.settings.max_utterance_audio_s
+                        message = f"the audio reached this server's limit of {limit_s:g} s before the input was spoken"
+                        raise SpeechCutOff(ErrorEvent("max_duration", message))
                     tail = await out.finish()
                     if tail:
                         yield tail
@@ -190,7 +217,8 @@ async def speech_endpoint(request: Request) -> Response:
 
 
 class SpeechCutOff(BodyAborted):
-    """The speech ended before the whole input was spoken (the engine failed, the session was closed)."""
+    """The speech ended before the whole input was spoken (the engine failed, the session was closed, the audio
+    reached its limit)."""
 
     def __init__(self, error: ErrorEvent) -> None:
         super().__init__(f"{error.code}: {error.message}")

@@ -34,6 +34,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from omnigate.engines.base import speakable
 from omnigate.engines.openai_compat.messages import ChatDelta
 from omnigate.engines.vad import WINDOW_MS
 from omnigate.sessions.realtime.answer import Answering, ResponderPolicy
@@ -547,10 +548,11 @@ class RealtimeSession:
         else:
             text = " ".join(self._inline_text(spec) for spec in inline)
         text = text.strip()
-        if not text:
+        if not speakable(text):
             raise ConfigRefused(
                 "nothing_to_speak",
-                "the engine speaks assistant text: create an assistant message item (or pass one as response.input)",
+                "the engine speaks assistant text with a letter or digit: create an assistant message item (or pass "
+                "one as response.input)",
             )
         if len(text) > self.limits.max_text_chars:
             raise ConfigRefused("input_too_large", f"a response speaks at most {self.limits.max_text_chars} characters")
