@@ -68,7 +68,10 @@ def _array(obj: Mapping[bytes, Any]) -> np.ndarray[Any, Any]:
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise WireError("invalid_array", f"array data holds {len(data)} bytes; dtype and shape need {expected}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    except ValueError as exc:  # an empty array whose other sizes are past what numpy can index
+        raise WireError("invalid_shape", f"no array has shape {shape}: {exc}") from None
 
 
 def _scalar(obj: Mapping[bytes, Any]) -> np.generic:
