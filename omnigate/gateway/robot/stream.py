@@ -214,8 +214,9 @@ class RobotConnection:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._outbox.join(), 1.0)
         finally:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
+            for task in (reader, sender):
+                task.cancel()
+            await asyncio.gather(reader, sender, return_exceptions=True)
             await self._close()
 
     def _fail(self, exc: BaseException) -> None:
