@@ -82,6 +82,7 @@ async def start_robot(gateway: Gateway, metrics: Metrics) -> None:
 
 
 async def stop_robot(gateway: Gateway) -> None:
+    """Stop the scheduler (its sessions are closed), then the decoding threads."""
     pool, gateway.robot_pool = gateway.robot_pool, None
     decoder, gateway.robot_decoder = gateway.robot_decoder, None
     if pool is not None:
