@@ -296,3 +296,16 @@ async def test_a_crashed_policy_step_answers_its_observations_typed(
     assert_actions(await recv(ws))
     await ws.close()
     everything_released(robot_server)
+
+
+async def test_a_client_that_stops_reading_is_closed_stalled_and_released() -> None:
+    """The reader waits for its refusals to go out, so a client that never reads must still be closed (by the
+    sender's stall timeout), not left waiting with the reader."""
+    with serve(robot_settings(stall_timeout_s=0.5)) as server:
+        ws, _ = await open_robot(server)
+        ws.transport.pause_reading()  # the client stops reading; the server's refusals pile up in the buffers
+        for _ in range(20_000):
+            ws.protocol.send_text(b"not an observation")
+        ws.transport.write(b"".join(ws.protocol.data_to_send()))
+        everything_released(server)
+        ws.transport.abort()
