@@ -27,7 +27,7 @@ from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.realtime.connection import ResponderReports
 from omnigate.gateway.realtime.service import start_realtime
 from omnigate.gateway.realtime.ws import duplex_endpoint, realtime_endpoint
-from omnigate.gateway.robot.stream import robot_policy_endpoint, start_robot_pool, stop_robot_pool
+from omnigate.gateway.robot.stream import robot_policy_endpoint, start_robot, stop_robot
 from omnigate.gateway.security.auth import AuthMiddleware
 from omnigate.gateway.security.client_secrets import client_secrets_endpoint
 from omnigate.gateway.security.credentials import ApiKeys, ClientSecretStore
@@ -151,7 +151,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             app.state.realtime = await start_realtime(settings, pool, reports)
             duplex = app.state.realtime.duplex
             gateway.duplex_stats = duplex.stats if duplex is not None else None
-            gateway.robot_pool = await start_robot_pool(settings, metrics)
+            await start_robot(gateway, metrics)
             yield
         finally:
             loop_lag.cancel()
@@ -163,8 +163,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             gateway.duplex_stats = None
             await stop_pool()
             await stop_video_engine(app.state.video_engine)
-            robot_pool, gateway.robot_pool = gateway.robot_pool, None
-            await stop_robot_pool(robot_pool)
+            await stop_robot(gateway)
             app.state.video_engine = None
             await stop_omni_engine(app.state.omni_engine)
             app.state.omni_engine = None

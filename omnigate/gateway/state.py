@@ -13,6 +13,7 @@ from omnigate.sessions.speech import SessionLimits
 
 if TYPE_CHECKING:
     from omnigate.engines.policy.pool import PolicyPool
+    from omnigate.gateway.robot.decode import ObservationDecoder
 
 
 @dataclass(eq=False)
@@ -24,6 +25,7 @@ class Gateway:
     registry: SessionRegistry = field(default_factory=lambda: SessionRegistry(0))
     load_error: str | None = None
     robot_pool: PolicyPool | None = None  # the robot policy scheduler, when --robot-model names a policy
+    robot_decoder: ObservationDecoder | None = None  # the robot route's observation-decoding threads, beside it
     duplex_stats: ClockStats | None = None  # the duplex engine's tick clock, when one serves /v1/realtime
 
     @property

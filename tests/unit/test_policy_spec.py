@@ -67,6 +67,7 @@ def test_a_good_observation_is_accepted_and_normalized() -> None:
         ({"observation/state": np.zeros((2, 4), np.float32)}, ("invalid_shape", "observation/state")),
         ({"observation/state": np.array([np.nan] * 8)}, ("invalid_value", "observation/state")),
         ({"prompt": 3}, ("invalid_observation", "prompt")),
+        ({"prompt": "x" * 2049}, ("invalid_value", "prompt")),
     ],
 )
 def test_each_problem_is_refused_by_name(changes: dict[str, Any], expected: tuple[str, str]) -> None:

@@ -260,10 +260,10 @@ class PolicyPool:
             except BaseException:  # the scheduler must outlive anything the engine throws
                 log.exception("policy scheduler step crashed")
                 with self._cond:
-                    for session in batch:
-                        session.busy = False
-                        if session.closed:
-                            self.engine.close(session.stream)
+                    # Whoever was not answered before the crash is answered now: no session waits on a lost step.
+                    for session, arrived in zip(batch, arrivals, strict=True):
+                        if session.busy:
+                            self._answer_locked(session, None, "engine_error: the policy step crashed", arrived, 0.0)
 
     def _step(self, batch: list[PolicySession], arrivals: list[float]) -> None:
         started = self._clock()
@@ -290,15 +290,21 @@ class PolicyPool:
                 self.consecutive_failures += 1
                 self.failed_steps_total += 1
             for session, result, arrived in zip(batch, results, arrivals, strict=True):
-                session.busy = False
-                session.stream.observation = None
-                if session.closed:
-                    self.engine.close(session.stream)
-                    continue
-                reply = PolicyReply(result=result, error=error, received_at=arrived, queue_ms=(started - arrived) * 1e3)
-                with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to receive it
-                    session.loop.call_soon_threadsafe(_deliver, session, reply)
+                self._answer_locked(session, result, error, arrived, (started - arrived) * 1e3)
             self._cond.notify_all()
+
+    def _answer_locked(
+        self, session: PolicySession, result: PolicyResult | None, error: str | None, arrived: float, queue_ms: float
+    ) -> None:
+        """End the session's step and hand its reply to its loop (a closed session's stream is released instead)."""
+        session.busy = False
+        session.stream.observation = None
+        if session.closed:
+            self.engine.close(session.stream)
+            return
+        reply = PolicyReply(result=result, error=error, received_at=arrived, queue_ms=queue_ms)
+        with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to receive it
+            session.loop.call_soon_threadsafe(_deliver, session, reply)
 
 
 def _deliver(session: PolicySession, reply: PolicyReply) -> None:

@@ -135,6 +135,8 @@ def check_observation(info: PolicyInfo, raw: dict[str, Any]) -> Observation:
     if not isinstance(prompt, str):
         raise WireError("invalid_observation", f"{info.prompt_key} must be a string", info.prompt_key)
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise WireError("invalid_value", f"{info.prompt_key} is longer than {MAX_PROMPT_CHARS} characters")
+        raise WireError(
+            "invalid_value", f"{info.prompt_key} is longer than {MAX_PROMPT_CHARS} characters", info.prompt_key
+        )
     images = [_image(key, raw[key]) for key in info.image_keys]
     return Observation(images=images, state=_state(info, raw[info.state_key]), prompt=prompt)

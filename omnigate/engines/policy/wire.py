@@ -5,6 +5,11 @@ list}`` and numpy scalars as ``{b"__npgeneric__": True, b"data": item, b"dtype":
 ``object_hook`` on each map; this one builds arrays only of plain numeric dtypes (bool, int, uint, float) whose
 byte count matches their shape, so a payload cannot name an object dtype, a structured dtype or a shape the bytes
 do not fill. Everything else raises :class:`WireError` with a code the route sends back as a text message.
+
+Before anything is built, :func:`check_budget` walks the message's headers (no object is made): at most
+:data:`MAX_OBJECTS` objects, containers nested at most :data:`MAX_NESTING` deep, no declared length past the end of
+the message, no ext type. msgpack's own limits bound each container but not their number: 1.9 MB can hold 1.8 M
+empty maps, which would cost a third of a second to build, all of it holding the GIL.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ MAX_MAP_ENTRIES = 256
 MAX_STRING_BYTES = 64 * 1024
 MAX_ARRAY_ITEMS = 64  # msgpack arrays: shapes and short lists, never pixel data (that travels as bin)
 MAX_DEPTH = 4
+# An observation is a map of (nested maps of) values; an array is a map whose shape is a list: deeper is no observation.
+MAX_NESTING = MAX_DEPTH + 3
+# A 3-camera observation is ~70 objects (each array a 4-entry map and a shape list); far below this, far above that.
+MAX_OBJECTS = 2048
 
 
 class WireError(Exception):
@@ -59,7 +68,10 @@ def _array(obj: Mapping[bytes, Any]) -> np.ndarray[Any, Any]:
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise WireError("invalid_array", f"array data holds {len(data)} bytes; dtype and shape need {expected}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    except ValueError as exc:  # an empty array whose other sizes are past what numpy can index
+        raise WireError("invalid_shape", f"no array has shape {shape}: {exc}") from None
 
 
 def _scalar(obj: Mapping[bytes, Any]) -> np.generic:
@@ -81,10 +93,80 @@ def _object_hook(obj: dict[Any, Any]) -> Any:
     return obj
 
 
+# msgpack's type bytes, by what follows them: a scalar of a fixed size, a length of 1/2/4 bytes then that many bytes
+# (str, bin), or a count of 2/4 bytes then that many items (array) or key-value pairs (map). Ext types are refused.
+_FIXED_SIZE = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_FIXED_SIZE |= {0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_COUNTED = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # (count bytes, items per count)
+_EXT = frozenset({0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8})
+
+
+def check_budget(payload: bytes, max_objects: int = MAX_OBJECTS, max_nesting: int = MAX_NESTING) -> None:
+    """Walk one message's headers without building anything; raise :class:`WireError` past a budget.
+
+    The walk costs a few hundred nanoseconds an object and stops at ``max_objects``, so it is bounded whatever
+    the payload; what passes it decodes into at most ``max_objects`` objects.
+    """
+    end = len(payload)
+    pos = 0
+    objects = 0
+    open_items: list[int] = []  # items still to come in each open container, innermost last
+    while True:
+        if pos >= end:
+            raise WireError("invalid_msgpack", "not a msgpack message: it ends in the middle of a value")
+        objects += 1
+        if objects > max_objects:
+            raise WireError(
+                "too_many_objects", f"the message holds more than {max_objects} msgpack objects (arrays travel as bin)"
+            )
+        kind = payload[pos]
+        pos += 1
+        items = 0
+        if kind <= 0x7F or kind >= 0xE0:
+            pass  # fixint
+        elif kind <= 0x8F:
+            items = 2 * (kind & 0x0F)
+        elif kind <= 0x9F:
+            items = kind & 0x0F
+        elif kind <= 0xBF:
+            pos += kind & 0x1F
+        elif kind in _FIXED_SIZE:
+            pos += _FIXED_SIZE[kind]
+        elif kind in _SIZED:
+            width = _SIZED[kind]
+            pos += width + int.from_bytes(payload[pos : pos + width], "big")
+        elif kind in _COUNTED:
+            width, per = _COUNTED[kind]
+            items = per * int.from_bytes(payload[pos : pos + width], "big")
+            pos += width
+        elif kind in _EXT:
+            raise WireError("invalid_msgpack", "not a msgpack message for a policy: it holds an ext type")
+        else:
+            raise WireError("invalid_msgpack", f"not a msgpack message: byte 0x{kind:02x} starts no value")
+        if pos > end or items > end - pos:
+            # each item takes at least one byte: a count or length past the end is a lie, refused before any work
+            raise WireError("invalid_msgpack", "not a msgpack message: a declared length runs past its end")
+        if open_items:
+            open_items[-1] -= 1
+        if items:
+            open_items.append(items)
+            if len(open_items) > max_nesting:
+                raise WireError("too_deeply_nested", f"the message nests containers deeper than {max_nesting}")
+        while open_items and not open_items[-1]:
+            open_items.pop()
+        if not open_items:
+            if pos != end:
+                raise WireError("invalid_msgpack", "not a msgpack message: extra bytes follow the first value")
+            return
+
+
 def unpack(payload: bytes, max_bytes: int) -> dict[str, Any]:
-    """Decode one observation message: a map with string keys. Raises :class:`WireError`."""
+    """Decode one observation message: a map with string keys, within :func:`check_budget`. Raises
+    :class:`WireError`. CPU-bound (arrays are copied out of the payload): the route runs it off the event loop."""
     if len(payload) > max_bytes:
         raise WireError("payload_too_large", f"the message has {len(payload)} bytes; the limit is {max_bytes}")
+    check_budget(payload)
     try:
         decoded = msgpack.unpackb(
             payload,
@@ -100,8 +182,9 @@ def unpack(payload: bytes, max_bytes: int) -> dict[str, Any]:
     except WireError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        # msgpack's ExtraData and FormatError are ValueErrors; a limit broken is a ValueError too
-        raise WireError("invalid_msgpack", f"not a msgpack message: {exc}") from None
+        # msgpack's ExtraData and FormatError are ValueErrors; a limit broken is a ValueError too. Some (StackError)
+        # carry no text: their name is the reason then.
+        raise WireError("invalid_msgpack", f"not a msgpack message: {str(exc) or type(exc).__name__}") from None
     if not isinstance(decoded, dict):
         raise WireError("invalid_observation", "an observation must be a msgpack map of named values")
     return _flatten(decoded, "", 0)

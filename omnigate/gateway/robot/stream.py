@@ -15,6 +15,12 @@ the waiting one instead of being refused with ``observation_in_flight``).
 
 The session is admitted like every other (transport ``robot``), closes after the idle timeout with no observation
 in flight, and is a drain target: idle while nothing is in flight.
+
+Observations are decoded off the event loop under a budget (:mod:`omnigate.gateway.robot.decode`). A burst is
+answered, not punished: the reader takes the next message only once its last refusal is on its way, so a client
+that reads gets every refusal and every reply, and only one that stops reading is closed (the sender's stall
+timeout, 1008 ``stalled``). A task of the session that fails ends it with a typed ``internal_error`` and 1011,
+and everything it held is released.
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.engines.policy.pool import ObservationBusy, PolicyPool, PolicyReply, PolicySession
-from omnigate.engines.policy.spec import check_observation
-from omnigate.engines.policy.wire import WireError, pack, unpack
+from omnigate.engines.policy.wire import WireError, pack
 from omnigate.engines.pool import PoolClosed, PoolFull
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.robot.decode import DecoderBusy, ObservationDecoder
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
 from omnigate.sessions.registry import SessionLimitReached
@@ -42,12 +48,21 @@ log = logging.getLogger(__name__)
 
 TRANSPORT = "robot"
 SERVER_END_CLOSE_CODE = 1012
+INTERNAL_ERROR_CLOSE_CODE = 1011
+IN_FLIGHT = WireError(
+    "observation_in_flight",
+    "the previous observation has not been answered yet (connect with ?on_busy=latest to have a newer observation "
+    "replace a waiting one)",
+)
+DECODERS_BUSY = WireError("server_busy", "every observation decoder of the server is taken: send the observation again")
 
 
-async def start_robot_pool(settings: Settings, metrics: Metrics) -> PolicyPool | None:
-    """Load the policy and start its scheduler when ``--robot-model`` names one (off the loop: it builds a model)."""
+async def start_robot(gateway: Gateway, metrics: Metrics) -> None:
+    """Load the policy and start its scheduler and its decoding threads when ``--robot-model`` names one (off the
+    loop: it builds a model)."""
+    settings = gateway.settings
     if not settings.robot_model:
-        return None
+        return
     from omnigate.engines.policy.engine import PolicyEngine
 
     engine = await asyncio.to_thread(PolicyEngine.load, settings.robot_model, **settings.robot_options)
@@ -62,19 +77,25 @@ async def start_robot_pool(settings: Settings, metrics: Metrics) -> PolicyPool |
         info.max_batch,
         " (random weights: actions are noise)" if info.random_weights else "",
     )
-    return pool
+    gateway.robot_pool = pool
+    gateway.robot_decoder = ObservationDecoder(info, settings.robot_max_observation_bytes)
 
 
-async def stop_robot_pool(pool: PolicyPool | None) -> None:
+async def stop_robot(gateway: Gateway) -> None:
+    """Stop the scheduler (its sessions are closed), then the decoding threads."""
+    pool, gateway.robot_pool = gateway.robot_pool, None
+    decoder, gateway.robot_decoder = gateway.robot_decoder, None
     if pool is not None:
         await asyncio.to_thread(pool.stop)
+    if decoder is not None:
+        decoder.close()
 
 
 async def robot_policy_endpoint(ws: WebSocket) -> None:
     """Admit the robot (transport ``robot``) and serve it, or refuse it typed before any work."""
     gateway: Gateway = ws.app.state.gateway
-    pool = gateway.robot_pool
-    if pool is None:
+    pool, decoder = gateway.robot_pool, gateway.robot_decoder
+    if pool is None or decoder is None:
         await _refuse(
             ws, "robot_unavailable", "this gateway serves no robot policy (start it with --robot-model)", 4404
         )
@@ -86,7 +107,7 @@ async def robot_policy_endpoint(ws: WebSocket) -> None:
         return
     try:
         with gateway.registry.admit(TRANSPORT) as lease:
-            connection = RobotConnection(ws, gateway.settings, pool, ws.app.state.metrics)
+            connection = RobotConnection(ws, gateway.settings, pool, decoder, ws.app.state.metrics)
             try:
                 session = pool.open(connection.on_reply, rate_hz=rate_hz, latest_wins=latest_wins)
             except PoolFull as exc:
@@ -131,15 +152,19 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, retry
 
 
 class RobotConnection:
-    """One accepted robot: the reader (observations in) and the sender (replies out, at most two queued)."""
+    """One accepted robot: the reader (observations in) and the sender (replies and refusals out)."""
 
-    def __init__(self, ws: WebSocket, settings: Settings, pool: PolicyPool, metrics: Metrics) -> None:
+    def __init__(
+        self, ws: WebSocket, settings: Settings, pool: PolicyPool, decoder: ObservationDecoder, metrics: Metrics
+    ) -> None:
         self.ws = ws
         self.settings = settings
         self.pool = pool
+        self.decoder = decoder
         self.metrics = metrics
         self.session: PolicySession | None = None
-        # One observation in a step plus one waiting (latest-wins): never more replies than that.
+        # The refusal the reader waits on, the replies to one observation in a step and one waiting (latest-wins),
+        # and the session's final error: never more than that.
         self._outbox: asyncio.Queue[bytes | str] = asyncio.Queue(maxsize=4)
         self._reader: asyncio.Task[None] | None = None
         self._close_code = 1000
@@ -175,18 +200,43 @@ class RobotConnection:
         self._session_deadline = loop.time() + self.settings.max_session_s
         await self.ws.send_bytes(pack(self.pool.info.metadata()))
         sender = asyncio.create_task(self._send_loop(), name="robot-sender")
-        self._reader = asyncio.create_task(self._read(), name="robot-reader")
+        reader = self._reader = asyncio.create_task(self._read(), name="robot-reader")
         try:
-            await asyncio.gather(self._reader, return_exceptions=True)
+            # The sender ends only by failing: then nothing would carry the replies, so the reader stops too.
+            await asyncio.wait((reader, sender), return_when=asyncio.FIRST_COMPLETED)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            for task in (reader, sender):
+                if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                    self._fail(exc)
             if self._end_error is not None and not self.disconnected:
-                self._enqueue_text(json_error(*self._end_error))
-            if not self.disconnected:
+                await self._send_final(json_error(*self._end_error), sender)
+            if not self.disconnected and not sender.done():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._outbox.join(), 1.0)
         finally:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
+            for task in (reader, sender):
+                task.cancel()
+            await asyncio.gather(reader, sender, return_exceptions=True)
             await self._close()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A task of this session failed (a server fault): end the session with a typed error and 1011."""
+        log.error("robot session failed", exc_info=exc)
+        if self._end_error is None:
+            self._end_error = ("internal_error", "the server failed while serving this session; connect again")
+            self._close_code, self._close_reason = INTERNAL_ERROR_CLOSE_CODE, "internal_error"
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def _send_final(self, body: dict[str, Any], sender: asyncio.Task[None]) -> None:
+        if not sender.done():
+            self._enqueue_text(body)
+            return
+        # the sender failed: the last word goes out directly, within the stall timeout
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.settings.stall_timeout_s):
+                await self.ws.send_text(msgspec.json.encode(body).decode())
 
     def _rearm(self) -> None:
         if self._receive_timeout is None:
@@ -217,48 +267,55 @@ class RobotConnection:
                 return
             payload = message.get("bytes")
             if payload is None:
-                self._refuse_observation(
+                await self._refuse_observation(
                     WireError("invalid_observation", "observations are binary msgpack messages (openpi's format)")
                 )
                 continue
-            self._on_observation(payload)
+            await self._on_observation(payload)
 
-    def _on_observation(self, payload: bytes) -> None:
+    async def _on_observation(self, payload: bytes) -> None:
         assert self.session is not None
         received = time.perf_counter()
+        # In flight until its reply reaches this connection, not only until the step ends; refused before decoding.
+        if self._in_flight_since and not self.session.latest_wins:
+            await self._refuse_observation(IN_FLIGHT)
+            return
         try:
-            observation = check_observation(self.pool.info, unpack(payload, self.settings.robot_max_observation_bytes))
-            # In flight until its reply reaches this connection, not only until the step ends.
-            if self._in_flight_since and not self.session.latest_wins:
-                raise ObservationBusy()
+            observation = await self.decoder.decode(payload)
             replaced = self.pool.submit(self.session, observation)
         except WireError as exc:
-            self._refuse_observation(exc)
+            await self._refuse_observation(exc)
+            return
+        except DecoderBusy:
+            await self._refuse_observation(DECODERS_BUSY)
             return
         except ObservationBusy:
-            self._refuse_observation(
-                WireError(
-                    "observation_in_flight",
-                    "the previous observation has not been answered yet (connect with ?on_busy=latest to have a "
-                    "newer observation replace a waiting one)",
-                )
-            )
+            await self._refuse_observation(IN_FLIGHT)
             return
         except PoolClosed:
-            self._refuse_observation(WireError("shutting_down", "the server is shutting down"))
+            await self._refuse_observation(WireError("shutting_down", "the server is shutting down"))
             return
         if replaced:
             self._in_flight_since[-1] = received  # the waiting one gets no reply: this one takes its place
         else:
             self._in_flight_since.append(received)
 
-    def _refuse_observation(self, error: WireError) -> None:
+    async def _refuse_observation(self, error: WireError) -> None:
+        """Answer with the typed refusal, then wait until it is sent: a burst of refused observations is answered at
+        the pace the client reads (the transport holds back the rest), never piled up until the session is dropped."""
         self.metrics.robot_refusals.labels(error.code).inc()
         extra = {} if error.param is None else {"param": error.param}
         self._enqueue_text(json_error(error.code, error.message, **extra))
+        await self._outbox.join()
 
     def on_reply(self, reply: PolicyReply) -> None:
         """The scheduler's sink (on the loop): encode the reply and queue it for the sender."""
+        try:
+            self._reply(reply)
+        except Exception as exc:  # on the loop's callback: a failure must end this session, not vanish
+            self._fail(exc)
+
+    def _reply(self, reply: PolicyReply) -> None:
         received = self._in_flight_since.pop(0) if self._in_flight_since else time.perf_counter()
         if reply.result is None:
             code, _, message = (reply.error or "engine_error: the policy step failed").partition(": ")

@@ -37,6 +37,12 @@ def _pack_default(obj: Any) -> Any:
     raise TypeError(f"cannot pack {type(obj).__name__}")
 
 
+def pack(observation: dict[str, Any]) -> bytes:
+    """An observation as openpi-client packs it."""
+    packed: bytes = msgpack.packb(observation, default=_pack_default)
+    return packed
+
+
 def _unpack_hook(obj: dict[Any, Any]) -> Any:
     if b"__ndarray__" in obj:
         return np.frombuffer(obj[b"data"], dtype=np.dtype(obj[b"dtype"])).reshape(obj[b"shape"])
@@ -107,7 +113,7 @@ class RobotTarget(Target):
         tick = time.perf_counter()
         for text in texts:
             await asyncio.sleep(max(0.0, tick - time.perf_counter()))
-            payload = msgpack.packb({**observation, **dict.fromkeys(prompt_keys, text)}, default=_pack_default)
+            payload = pack({**observation, **dict.fromkeys(prompt_keys, text)})
             sent = time.perf_counter()
             utterance = trace.begin_utterance(sent, text)
             await connection.send(payload)
