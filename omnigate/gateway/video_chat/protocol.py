@@ -32,8 +32,6 @@ from omnigate.sessions.video_chat import (
     VideoChatConfig,
 )
 
-MAX_FRAME_BYTES = 10 * 1024 * 1024
-
 
 class SamplingParams(msgspec.Struct, frozen=True):
     temperature: float | None = None

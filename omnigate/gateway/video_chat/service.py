@@ -7,6 +7,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from omnigate.gateway.settings import Settings
+from omnigate.gateway.video_chat.frames import FrameDecodePool
+from omnigate.gateway.video_chat.image_budget import FrameBudget
 
 if TYPE_CHECKING:
     from omnigate.engines.omni.engine import OmniEngine
@@ -35,3 +37,11 @@ async def start_omni_engine(settings: Settings) -> OmniEngine | None:
 async def stop_omni_engine(engine: OmniEngine | None) -> None:
     if engine is not None:
         await asyncio.to_thread(engine.stop)
+
+
+def frame_decode_pool(settings: Settings) -> FrameDecodePool:
+    """The pool that decodes every session's camera frames (its threads start with the first frame)."""
+    if settings.video_chat_decode_threads < 1 or settings.video_chat_max_decoding_frames < 1:
+        raise ValueError("--video-chat-decode-threads and --video-chat-max-decoding-frames must be positive")
+    budget = FrameBudget(max_pixels=settings.video_chat_max_frame_pixels)
+    return FrameDecodePool(settings.video_chat_decode_threads, settings.video_chat_max_decoding_frames, budget)
