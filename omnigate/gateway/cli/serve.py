@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=Settings().video_chat_decode_threads,
         metavar="N",
-        help="threads decoding camera frames (omnigate-image-decode), apart from the audio encoders' pool",
+        help="threads decoding camera frames (omnigate-image-decode), apart from the audio encoders' pool; "
+        "default: a quarter of the cores, 1 to 4",
     )
     omni.add_argument(
         "--video-chat-max-decoding-frames",

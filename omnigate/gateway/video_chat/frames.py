@@ -14,6 +14,8 @@ pool also bounds the frames every session together hold for it, so a flood is re
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import io
 import logging
@@ -41,12 +43,22 @@ THUMBNAIL = 64
 THREAD_PREFIX = "omnigate-image-decode"
 
 
-def decode_frame(data: bytes | av.VideoFrame, frame_size: int, budget: FrameBudget) -> DecodedFrame:
+# A camera frame as it arrives: a WebRTC camera frame, or a JPEG/PNG picture (as bytes, or as the base64 text of the
+# WebSocket's ``video.frame``, decoded here, off the event loop).
+EncodedFrame = bytes | str | av.VideoFrame
+
+
+def decode_frame(data: EncodedFrame, frame_size: int, budget: FrameBudget) -> DecodedFrame:
     """Decode one JPEG/PNG picture (or convert a WebRTC camera frame). Blocking (milliseconds): run it on a worker
     thread. Raises :class:`FrameRefused` for anything it will not or cannot decode."""
     if isinstance(data, av.VideoFrame):
         check_pixels(data.width, data.height, budget)
         return _prepare(Image.fromarray(data.to_ndarray(format="rgb24")), frame_size)
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise FrameRefused("invalid_base64", "video.frame's data is not valid base64") from None
     check_size(data, budget)
     if data.startswith(PNG_SIGNATURE):
         check_png_text(data, budget)
@@ -96,7 +108,7 @@ class FrameDecodePool:
     def release(self, count: int = 1) -> None:
         self.held = max(0, self.held - count)
 
-    async def decode(self, data: bytes | av.VideoFrame, frame_size: int) -> DecodedFrame:
+    async def decode(self, data: EncodedFrame, frame_size: int) -> DecodedFrame:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, decode_frame, data, frame_size, self.budget)
 
@@ -128,7 +140,7 @@ class FrameDecoder:
         self._on_refused = on_refused
         self._on_died = on_died
         self._held = 0  # frames of this session counted in the pool's ``held``
-        self._queue: asyncio.Queue[bytes | av.VideoFrame] = asyncio.Queue(maxsize=capacity)
+        self._queue: asyncio.Queue[EncodedFrame] = asyncio.Queue(maxsize=capacity)
         self._task = asyncio.create_task(self._run(), name="video-chat-frames")
         self._task.add_done_callback(self._ended)
 
@@ -137,7 +149,7 @@ class FrameDecoder:
         """Whether the server takes another frame to decode."""
         return self._pool.has_room
 
-    def put(self, data: bytes | av.VideoFrame) -> None:
+    def put(self, data: EncodedFrame) -> None:
         self._queue.put_nowait(data)
         self._pool.reserve()
         self._held += 1

@@ -18,13 +18,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import av
 import msgspec
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.omni.request import EncoderCache, ThinkOutput, ThinkRequest
 from omnigate.engines.pool_api import EnginePoolAPI
-from omnigate.gateway.video_chat.frames import FrameDecodePool, FrameDecoder
+from omnigate.gateway.video_chat.frames import EncodedFrame, FrameDecodePool, FrameDecoder
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import AppendText, Cancel, Configure, Flush, SessionClosed, SessionConfig
 from omnigate.sessions.speech import SessionLimits
@@ -124,7 +123,7 @@ class VideoChatRunner:
         if voice_changed and self.session.config is config and not self.session.answering:
             self.driver.submit(Configure(SessionConfig(voice=config.voice)))
 
-    def frame(self, data: bytes | av.VideoFrame) -> None:
+    def frame(self, data: EncodedFrame) -> None:
         admitted, actions = self.session.frame_arrived(server_full=not self.decoder.has_room)
         self._apply(actions)
         if admitted:

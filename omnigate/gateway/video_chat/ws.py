@@ -27,6 +27,7 @@ from omnigate.gateway.video_chat.protocol import (
     VideoDoneEvent,
     VideoFrameEvent,
     VideoQueryEvent,
+    check_base64_size,
     decode_base64,
     decode_client_event,
     event_json,
@@ -104,7 +105,9 @@ def handle_client_text(runner: VideoChatRunner, text: str, settings: Settings) -
     try:
         event = decode_client_event(text)
         if isinstance(event, VideoFrameEvent):
-            runner.frame(decode_base64(event.data, "data", runner.frame_budget.max_bytes))
+            # Decoded from base64 with the picture, on the frame pool: a frame refused for backpressure costs nothing.
+            check_base64_size(event.data, "data", runner.frame_budget.max_bytes)
+            runner.frame(event.data)
         elif isinstance(event, AudioChunkEvent):
             runner.audio(decode_base64(event.data, "data", settings.ws_max_message_bytes))
         elif isinstance(event, VideoQueryEvent):
