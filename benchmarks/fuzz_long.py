@@ -65,6 +65,8 @@ def serve_args() -> list[str]:
         "--video-model",
         str(s.video_model),
         *[arg for key, value in s.video_options.items() for arg in ("--video-option", f"{key}={value}")],
+        "--omni-model",
+        str(s.omni_model),
     ]
 
 

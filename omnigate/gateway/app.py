@@ -38,9 +38,10 @@ from omnigate.gateway.speech.stream import speech_stream_endpoint
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.video.stream import start_video_engine, stop_video_engine, video_stream_endpoint
 from omnigate.gateway.video_chat.call import video_chat_calls_endpoint
-from omnigate.gateway.video_chat.service import start_omni_engine, stop_omni_engine
+from omnigate.gateway.video_chat.service import frame_decode_pool, start_omni_engine, stop_omni_engine
 from omnigate.gateway.video_chat.ws import video_chat_endpoint
-from omnigate.gateway.webrtc.endpoint import WebRtcCalls, realtime_calls_endpoint, video_calls_endpoint
+from omnigate.gateway.webrtc.endpoint import realtime_calls_endpoint, video_calls_endpoint
+from omnigate.gateway.webrtc.signalling import WebRtcCalls
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
 from omnigate.os_threads import named_executor
 from omnigate.web import web_routes
@@ -53,6 +54,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
     gateway = Gateway(settings)
     metrics = Metrics(gateway)
     webrtc = WebRtcCalls(settings, WebRtcTelemetry(metrics))
+    frame_decoding = frame_decode_pool(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -167,6 +169,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             app.state.video_engine = None
             await stop_omni_engine(app.state.omni_engine)
             app.state.omni_engine = None
+            frame_decoding.close()
             if app.state.realtime is not None:
                 await app.state.realtime.aclose_services()
                 await asyncio.to_thread(app.state.realtime.close)
@@ -210,6 +213,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
     app.state.metrics = metrics
     app.state.video_engine = None  # a VideoEngine while serving, when --video-model names one
     app.state.omni_engine = None  # an OmniEngine while serving, when --omni-model names one
+    app.state.frame_decoding = frame_decoding  # decodes video chat's camera frames
     app.state.realtime = None  # the RealtimeService (engines of /v1/realtime) while serving
     app.state.client_secrets = client_secrets
     app.state.webrtc = webrtc

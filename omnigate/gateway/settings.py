@@ -79,6 +79,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # the omni engine of live video chat, loaded only when a model is named (WS /v1/video/chat/stream)
     omni_model: str | None = None
     omni_options: dict[str, str] = {}
+    # camera frames of video chat: decoded on a pool of their own, each within a budget checked before decoding
+    video_chat_max_frame_pixels: int = 3840 * 2160  # a frame's width x height from its header (a 4K camera frame)
+    video_chat_decode_threads: int | None = None  # None: a quarter of the cores, 1 to 4 (decoding is CPU-bound)
+    video_chat_max_decoding_frames: int = 64  # received and not yet decoded, all sessions together
     # a duplex engine beside a TTS main engine (WS /v1/duplex, /v1/realtime?duplex=1); --engine duplex serves only it
     duplex_model: str | None = None
     duplex_options: dict[str, str] = {}

@@ -10,9 +10,10 @@ speech stream, whose audio comes back through :meth:`VideoChatSession.on_speech`
 Rules kept here:
 - Inputs are bounded and refused typed (``input_backpressure``), never silently dropped: a frame while too many are
   still decoding, audio beyond the buffer. The ring itself keeps the newest ``max_frames`` (that is its purpose).
-- A new query cancels the one in flight. Queries are fenced by id: nothing of an old query is emitted after its
-  terminal event, and every query that was started gets exactly one terminal event: ``response.audio.done`` with
-  the audio modality, ``response.text.done`` without it (with a ``status``).
+- A new query cancels the one in flight, or the one still waiting for frames to decode. Queries are fenced by id:
+  nothing of an old query is emitted after its terminal event, and every query that was started gets exactly one
+  terminal event: ``response.audio.done`` with the audio modality, ``response.text.done`` without it (with a
+  ``status``).
 - The history is the newest turns that fit a token budget, whole turns only, the oldest forgotten first.
 - ``video.done`` lets the query in flight finish, then ends the session with ``session.done``.
 """
@@ -281,12 +282,16 @@ class VideoChatSession:
         if len(c.system_prompt) > self.limits.max_question_chars:
             raise ConfigRefused(f"system_prompt exceeds {self.limits.max_question_chars} characters", "system_prompt")
 
-    def frame_arrived(self) -> tuple[bool, list[Action]]:
-        """A frame was received: may it be decoded? Refused typed while too many are decoding."""
+    def frame_arrived(self, server_full: bool = False) -> tuple[bool, list[Action]]:
+        """A frame was received: may it be decoded? Refused typed while too many of this session's are decoding, or
+        while the server holds as many frames to decode as it takes (``server_full``)."""
         if self.closed or self.closing:
             return False, []
         if self.decoding >= self.limits.max_decoding_frames:
             message = f"{self.decoding} frames are still being decoded; frame dropped, send frames more slowly"
+            return False, [Emit(ChatError("input_backpressure", message, "video.frame"))]
+        if server_full:
+            message = "the server is decoding as many frames as it holds; frame dropped, send frames more slowly"
             return False, [Emit(ChatError("input_backpressure", message, "video.frame"))]
         self.decoding += 1
         return True, []
@@ -318,9 +323,12 @@ class VideoChatSession:
         self.ring.append(frame)
         return []
 
-    def on_frame_failed(self, message: str) -> list[Action]:
+    def on_frame_failed(self, code: str, message: str) -> list[Action]:
+        """A frame was refused by its decoder (``invalid_frame``, ``input_too_large``); the session goes on."""
         self.decoding = max(0, self.decoding - 1)
-        return [Emit(ChatError("invalid_frame", message, "video.frame")), *self._release_waiting()]
+        if self.closed:
+            return []
+        return [Emit(ChatError(code, message, "video.frame")), *self._release_waiting()]
 
     def on_audio(self, pcm: bytes) -> list[Action]:
         if self.closed or self.closing:
@@ -347,8 +355,10 @@ class VideoChatSession:
             return [Emit(ChatError("invalid_audio", "audio_data must hold whole 16-bit samples", "audio_data"))]
         if self.decoding:
             # The answer sees every frame sent before the question: wait for those still decoding (a bounded few).
+            # A question already waiting is replaced, and cancelled as one in flight would be.
+            actions = self._cancel_waiting()
             self._waiting = (text, audio)
-            return []
+            return actions
         question_audio = audio if audio is not None else (bytes(self.audio) if config.use_audio_in_video else b"")
         self.audio.clear()
         if not text.strip() and not question_audio:
@@ -442,8 +452,8 @@ class VideoChatSession:
         """End the session with a fatal typed error; every open query gets its terminal first."""
         if self.closed:
             return []
-        self._waiting = None
-        actions = self._cancel_in_flight()
+        actions = self._cancel_waiting()
+        actions.extend(self._cancel_in_flight())
         actions.extend(Emit(ResponseAudioDone(q, "cancelled")) for q in self._speaking.values())
         self._speaking.clear()
         actions.append(Emit(ChatError(code, message, fatal=True)))
@@ -492,6 +502,18 @@ class VideoChatSession:
             else:
                 actions.append(Emit(ResponseAudioDone(query.id, status)))
         actions.extend(self._maybe_close())
+        return actions
+
+    def _cancel_waiting(self) -> list[Action]:
+        """The question waiting for frames gets its id and its terminal events, ``cancelled``, having seen none."""
+        if self._waiting is None:
+            return []
+        self._waiting = None
+        query = self._next_query
+        self._next_query += 1
+        actions: list[Action] = [Emit(ResponseStart(query, 0)), Emit(ResponseTextDone(query, "", "cancelled"))]
+        if (self.config or VideoChatConfig()).speaks:
+            actions.append(Emit(ResponseAudioDone(query, "cancelled")))
         return actions
 
     def _cancel_in_flight(self) -> list[Action]:

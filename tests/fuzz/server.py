@@ -15,7 +15,8 @@ from tests.serving import RunningServer, serve
 def fuzz_settings() -> Settings:
     """Default limits except the frame limit (so an oversized frame is cheap to send), little audio per character
     (so fuzzed utterances are cheap to speak), the tiny video model with a pixel budget of 32x32x9 (so every
-    clip it admits takes a fraction of a second), and the tiny robot policy."""
+    clip it admits takes a fraction of a second), the tiny omni model (video chat's pictures) and the tiny robot
+    policy."""
     return Settings(
         engine="synthetic",
         model="ms_per_char=2",
@@ -24,6 +25,7 @@ def fuzz_settings() -> Settings:
         idle_timeout_s=600.0,
         video_model="preset:tiny",
         video_options={"max_sessions": "2", "max_video_pixels": str(32 * 32 * 9)},
+        omni_model="preset:tiny",
         robot_model="preset:tiny",
         robot_options={"threads": "1"},
     )

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz import pictures
 from tests.fuzz.harness import (
     FuzzMessage,
     HttpRequest,
@@ -119,6 +120,27 @@ def test_http_body_survives_fuzzing(
     assert not errors.records, errors.describe()
     assert sum(n for status, n in tally.by_status.items() if status >= 400) > 0
     report(capsys, target.name, tally)
+
+
+def test_video_chat_pictures_survive_the_bomb_corpus_and_mutations(
+    server: tuple[RunningServer, ServerErrors], runner: asyncio.Runner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    running, errors = server
+    if pictures.PATH not in routes(running):
+        pytest.skip(f"{pictures.PATH} is not served")
+    tally = Tally()
+
+    @settings(CI, max_examples=20)
+    @given(st.lists(pictures.pictures(), min_size=1, max_size=6))
+    @example(pictures.corpus_pictures())
+    def fuzz(batch: list[pictures.Picture]) -> None:
+        tally.add(runner.run(pictures.run_picture_case(running.ws_url, batch)))
+
+    fuzz()
+    runner.run(settle(running))
+    assert not errors.records, errors.describe()
+    assert tally.errors >= len(pictures.CORPUS_REFUSALS)
+    report(capsys, "video-chat pictures", tally)
 
 
 def test_every_known_issue_still_reproduces(request: pytest.FixtureRequest, runner: asyncio.Runner) -> None:

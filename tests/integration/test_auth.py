@@ -166,6 +166,18 @@ async def test_client_secrets_open_sessions_only(keyed_server: RunningServer) ->
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
 
+async def test_a_client_secret_opens_a_video_chat_call(keyed_server: RunningServer) -> None:
+    """``/static/video-chat.js`` posts its offer with a minted secret, as the realtime page does."""
+    async with httpx.AsyncClient(base_url=keyed_server.http_url) as client:
+        call = await client.post(
+            "/v1/video/chat/calls",
+            content=b"v=0",
+            headers={**bearer(await mint(keyed_server)), "content-type": "application/sdp"},
+        )
+    # Past authentication, the route itself refuses this offer (no audio section).
+    assert call.status_code == 400 and call.json()["error"]["code"] == "invalid_offer", call.text
+
+
 async def test_sessions_per_key_are_capped_with_a_typed_refusal() -> None:
     with serve(keyed_settings(max_sessions_per_key=1)) as server:
         url = server.ws_url + STREAM

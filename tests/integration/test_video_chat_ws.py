@@ -10,17 +10,23 @@ import asyncio
 import base64
 import io
 import json
+import threading
 import wave
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 from websockets.asyncio.client import ClientConnection, connect
 
 from omnigate.engines.omni.engine import OmniEngine
 from omnigate.gateway.settings import Settings
+from omnigate.gateway.video_chat import frames
+from omnigate.sessions.video_chat import Action, DecodedFrame, VideoChatSession
+from tests import image_bombs
+from tests.fuzz.server import settle
 from tests.serving import RunningServer, serve
 
 pytestmark = pytest.mark.integration
@@ -202,3 +208,124 @@ async def test_a_prompt_longer_than_the_thinkers_context_is_refused_typed() -> N
             assert events[-1]["status"] == "error" and events[-1]["text"] == ""
             await send(ws, "video.done")
             assert await receive(ws) == {"type": "session.done", "reason": "client_done"}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+async def test_picture_bombs_are_refused_typed_and_the_session_goes_on(chat_server: RunningServer) -> None:
+    """A few kilobytes of PNG whose zTXt or iCCP chunk inflates to megabytes once killed the session's frame
+    decoder: no error, and every later query waited forever."""
+    async with connect(chat_server.ws_url + ROUTE, max_size=None) as ws:
+        await send(ws, "session.config", modalities=["text"], max_new_tokens=4)
+        for bomb in (image_bombs.ztxt_bomb(), image_bombs.iccp_bomb(), image_bombs.text_bomb()):
+            await send(ws, "video.frame", data=b64(bomb))
+        await send(ws, "video.frame", data=jpeg(21))
+        await send(ws, "video.query", text="What is there?")
+        events = await until_terminal(ws, 0, "response.text.done")
+    errors = [e for e in events if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [("input_too_large", "video.frame")] * 3, errors
+    assert events[len(errors)] == {"type": "response.start", "query_id": 0, "frames": 1}
+    assert events[-1]["status"] in ("completed", "max_tokens")
+    await settle(chat_server)  # no session and no engine stream left
+
+
+async def test_a_frame_decoder_that_dies_ends_its_session_typed_and_releases_it(
+    chat_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: VideoChatSession, frame: DecodedFrame) -> list[Action]:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(VideoChatSession, "on_frame", broken)
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", modalities=["text"])
+        await send(ws, "video.frame", data=jpeg(22))
+        await send(ws, "video.query", text="Anything?")
+        events = [await receive(ws) for _ in range(3)]
+        await ws.wait_closed()
+    assert events[:2] == [
+        {"type": "response.start", "query_id": 0, "frames": 0},
+        {"type": "response.text.done", "query_id": 0, "text": "", "status": "cancelled"},
+    ]
+    assert events[2]["code"] == "internal_error" and events[2]["fatal"] and "injected fault" in events[2]["message"]
+    assert ws.close_code == 1011
+    await settle(chat_server)  # no session and no engine stream left
+
+
+@pytest.fixture
+def gated_decoding(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[str]]]:
+    """Frame decoding that waits for the test to open the gate, recording the threads it ran on."""
+    gate = threading.Event()
+    threads: list[str] = []
+    real = frames.decode_frame
+
+    def gated(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(frames, "decode_frame", gated)
+    try:
+        yield gate, threads
+    finally:
+        gate.set()
+
+
+async def test_a_query_replaced_while_frames_decode_gets_its_final_event(
+    chat_server: RunningServer, gated_decoding: tuple[threading.Event, list[str]]
+) -> None:
+    gate, _ = gated_decoding
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", max_new_tokens=4)
+        await send(ws, "video.frame", data=jpeg(23))
+        await send(ws, "video.query", text="first")
+        await send(ws, "video.query", text="second")
+        await send(ws, "ping")  # answered once the reader has taken both queries, while the frame still decodes
+        replaced = [await receive(ws) for _ in range(4)]
+        gate.set()
+        events = await until_terminal(ws, 1)
+    assert replaced == [
+        {"type": "response.start", "query_id": 0, "frames": 0},
+        {"type": "response.text.done", "query_id": 0, "text": "", "status": "cancelled"},
+        {"type": "response.audio.done", "query_id": 0, "status": "cancelled"},
+        {"type": "pong"},
+    ]
+    assert events[0] == {"type": "response.start", "query_id": 1, "frames": 1}
+    assert events[-1]["status"] == "completed"
+    assert not any(e.get("query_id") == 0 for e in events)
+
+
+async def test_frames_decode_on_their_own_pool_and_oversize_is_refused_before_decoding(
+    chat_server: RunningServer, gated_decoding: tuple[threading.Event, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate, threads = gated_decoding
+    gate.set()
+    loaded: list[tuple[int, int]] = []
+    load = ImageFile.ImageFile.load
+
+    def recorded_load(self: ImageFile.ImageFile) -> Any:
+        loaded.append(self.size)
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", recorded_load)
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", modalities=["text"], max_new_tokens=4)
+        await send(ws, "video.frame", data=b64(image_bombs.huge_png(6000)))
+        await send(ws, "video.frame", data=jpeg(24))
+        await send(ws, "video.query", text="What now?")
+        events = await until_terminal(ws, 0, "response.text.done")
+    [error] = [e for e in events if e["type"] == "error"]
+    assert error["code"] == "input_too_large" and "6000x6000" in error["message"]
+    assert (6000, 6000) not in loaded, "the oversize frame's pixels were decoded"
+    assert len(threads) == 2 and all(name.startswith("omnigate-image-decode") for name in threads), threads
+
+
+async def test_live_video_chat_sessions_are_counted_in_the_metrics(chat_server: RunningServer) -> None:
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "ping")
+        assert await receive(ws) == {"type": "pong"}
+        async with httpx.AsyncClient(base_url=chat_server.http_url) as client:
+            metrics = (await client.get("/metrics")).text
+    assert 'omnigate_sessions_active{transport="video-chat"} 1.0' in metrics
+    assert 'omnigate_sessions_active{transport="webrtc-video-chat"} 0.0' in metrics

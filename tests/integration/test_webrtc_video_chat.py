@@ -19,6 +19,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import AudioStreamTrack, MediaStreamError, MediaStreamTrack, VideoStreamTrack
 
 from omnigate.engines.omni.engine import OmniEngine
+from omnigate.gateway.security.credentials import api_key_hash
 from omnigate.gateway.settings import Settings
 from omnigate.loadtest.targets.webrtc import use_loopback_candidates
 from tests.serving import RunningServer, serve
@@ -68,12 +69,14 @@ class Peer:
         self.pc.on("track", self._on_track)
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def connect(self, url: str) -> None:
+    async def connect(self, url: str, headers: dict[str, str] | None = None) -> None:
         await self.pc.setLocalDescription(await self.pc.createOffer())
         assert self.pc.localDescription is not None
         async with httpx.AsyncClient(trust_env=False) as client:
             response = await client.post(
-                url, content=self.pc.localDescription.sdp, headers={"content-type": "application/sdp"}
+                url,
+                content=self.pc.localDescription.sdp,
+                headers={"content-type": "application/sdp", **(headers or {})},
             )
         assert response.status_code == 201, response.text
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=response.text, type="answer"))
@@ -133,6 +136,30 @@ async def test_a_typed_question_about_the_camera_is_answered_on_the_channel_and_
         assert isinstance(encoded_before, int) and isinstance(encoded_after, int) and encoded_after > encoded_before
     finally:
         await peer.close()
+
+
+async def test_with_auth_on_a_client_secret_starts_a_call_as_the_page_does() -> None:
+    """``/static/video-chat.js`` mints a client secret through the page's token URL and posts its offer with it."""
+    use_loopback_candidates()
+    settings = Settings(
+        engine="synthetic",
+        omni_model="preset:tiny",
+        webrtc_host_addresses=("127.0.0.1",),
+        api_key_hashes=(api_key_hash("video-chat-key"),),
+    )
+    with serve(settings) as keyed:
+        async with httpx.AsyncClient(base_url=keyed.http_url, trust_env=False) as client:
+            minted = await client.post(
+                "/v1/realtime/client_secrets", headers={"Authorization": "Bearer video-chat-key"}, json={}
+            )
+        assert minted.status_code == 200, minted.text
+        peer = Peer()
+        try:
+            await peer.connect(keyed.http_url + CALLS, {"Authorization": f"Bearer {minted.json()['value']}"})
+            peer.send("ping")
+            await peer.until(lambda: {"type": "pong"} in peer.events)
+        finally:
+            await peer.close()
 
 
 async def test_a_gateway_without_an_omni_model_refuses_the_offer() -> None:

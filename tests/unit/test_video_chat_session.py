@@ -112,6 +112,33 @@ def test_a_query_waits_for_the_frames_sent_before_it() -> None:
     assert [f.digest for f in think.frames] == [bytes([7])]
 
 
+def test_a_query_waiting_for_frames_and_replaced_gets_its_terminals() -> None:
+    s = session(enable_frame_filter=False)
+    assert s.frame_arrived()[0]
+    assert s.query("first?") == []
+    replaced = events(s.query("second?"))
+    assert replaced == [ResponseStart(0, 0), ResponseTextDone(0, "", "cancelled"), ResponseAudioDone(0, "cancelled")]
+    [think] = [a for a in s.on_frame(frame(7)) if isinstance(a, StartThink)]
+    assert think.query == 1 and think.question == "second?"
+
+
+def test_a_query_waiting_for_frames_gets_its_terminals_when_the_session_fails() -> None:
+    s = session(modalities=("text",))
+    assert s.frame_arrived()[0]
+    assert s.query("first?") == []
+    failed = events(s.fail("internal_error", "the frame decoder stopped"))
+    assert failed[:2] == [ResponseStart(0, 0), ResponseTextDone(0, "", "cancelled")]
+    assert isinstance(failed[2], ChatError) and failed[2].fatal
+
+
+def test_the_servers_bound_on_frames_decoding_refuses_typed() -> None:
+    s = session()
+    admitted, actions = s.frame_arrived(server_full=True)
+    assert not admitted and s.decoding == 0
+    [error] = events(actions)
+    assert isinstance(error, ChatError) and error.code == "input_backpressure" and error.param == "video.frame"
+
+
 def test_audio_beyond_the_buffer_is_refused_and_the_buffer_kept() -> None:
     s = session()
     assert s.on_audio(b"\x01\x00" * 3) == []

@@ -190,6 +190,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(frames are resized to this square, a multiple of 28), max_context=4096 (tokens of one answer's prompt and "
         "answer; the key/value cache holds max_sessions of them)",
     )
+    omni.add_argument(
+        "--video-chat-max-frame-pixels",
+        type=int,
+        default=Settings().video_chat_max_frame_pixels,
+        metavar="N",
+        help="a camera frame whose header declares more pixels (width x height) is refused before it is decoded "
+        "(input_too_large); JPEG frames decode at the smallest scale that covers the model's frame size",
+    )
+    omni.add_argument(
+        "--video-chat-decode-threads",
+        type=int,
+        default=Settings().video_chat_decode_threads,
+        metavar="N",
+        help="threads decoding camera frames (omnigate-image-decode), apart from the audio encoders' pool; "
+        "default: a quarter of the cores, 1 to 4",
+    )
+    omni.add_argument(
+        "--video-chat-max-decoding-frames",
+        type=int,
+        default=Settings().video_chat_max_decoding_frames,
+        metavar="N",
+        help="camera frames received and not yet decoded, all sessions together; more are refused "
+        "input_backpressure (each session also holds at most 8)",
+    )
     duplex = serve.add_argument_group("duplex (WS /v1/duplex and /v1/realtime?duplex=1)")
     duplex.add_argument(
         "--duplex-model",
@@ -464,6 +488,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         robot_options=dict(args.robot_option),
         omni_model=args.omni_model,
         omni_options=dict(args.omni_option),
+        video_chat_max_frame_pixels=args.video_chat_max_frame_pixels,
+        video_chat_decode_threads=args.video_chat_decode_threads,
+        video_chat_max_decoding_frames=args.video_chat_max_decoding_frames,
         duplex_model=args.duplex_model,
         duplex_options=dict(args.duplex_option),
         responder=responder_settings(args),

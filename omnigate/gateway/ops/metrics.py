@@ -28,7 +28,18 @@ class _GatewayCollector(Collector):
         gw = self._gateway
         reg = gw.registry
         active = GaugeMetricFamily("omnigate_sessions_active", "Live sessions", labels=["transport"])
-        for transport in ("ws-speech", "http-speech", "webrtc", "realtime", "video", "webrtc-video", "robot"):
+        transports = (
+            "ws-speech",
+            "http-speech",
+            "webrtc",
+            "realtime",
+            "video",
+            "webrtc-video",
+            "video-chat",
+            "webrtc-video-chat",
+            "robot",
+        )
+        for transport in transports:
             active.add_metric([transport], reg.active.get(transport, 0))
         yield active
         admitted = CounterMetricFamily("omnigate_sessions_admitted", "Sessions admitted", labels=["transport"])

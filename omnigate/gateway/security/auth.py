@@ -60,10 +60,12 @@ class RoutePolicy(msgspec.Struct, frozen=True):
     # the web client's static assets
     open_prefixes: tuple[str, ...] = ("/static/", "/web/")
     # HTTP paths that open a session, where a browser presents a client secret (WebSocket routes all accept one)
-    client_secret_http_paths: frozenset[str] = frozenset({"/v1/realtime/calls", "/v1/realtime/video/calls"})
+    client_secret_http_paths: frozenset[str] = frozenset(
+        {"/v1/realtime/calls", "/v1/realtime/video/calls", "/v1/video/chat/calls"}
+    )
     # HTTP paths that open a session, checked against the per-key session cap before the route runs
     session_http_paths: frozenset[str] = frozenset(
-        {"/v1/audio/speech", "/v1/realtime/calls", "/v1/realtime/video/calls"}
+        {"/v1/audio/speech", "/v1/realtime/calls", "/v1/realtime/video/calls", "/v1/video/chat/calls"}
     )
     metrics_path: str = "/metrics"
 

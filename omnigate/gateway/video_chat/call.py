@@ -27,12 +27,14 @@ from omnigate.codecs.rtc_audio import RTC_SAMPLE_RATE, RtcOpusStream
 from omnigate.engines.omni.request import AUDIO_RATE
 from omnigate.gateway.errors import HttpError
 from omnigate.gateway.state import Gateway
+from omnigate.gateway.video_chat.frames import FrameDecodePool
 from omnigate.gateway.video_chat.protocol import event_json
 from omnigate.gateway.video_chat.runner import Closed, VideoChatRunner
-from omnigate.gateway.video_chat.ws import chat_limits, handle_client_text
+from omnigate.gateway.video_chat.ws import chat_limits, frame_decoding, handle_client_text
 from omnigate.gateway.webrtc.channel import ChannelWriter
 from omnigate.gateway.webrtc.ice import rtc_configuration
 from omnigate.gateway.webrtc.microphone import consume_microphone
+from omnigate.gateway.webrtc.signalling import WebRtcCalls, admit_call, answer_call, read_offer
 from omnigate.gateway.webrtc.telemetry import WebRtcTelemetry
 from omnigate.gateway.webrtc.track import DEFAULT_LEAD_FRAMES, SpeechTrack
 from omnigate.sessions.registry import SessionLease
@@ -41,7 +43,6 @@ from omnigate.sessions.video_chat import ResponseAudioDelta, ResponseAudioDone
 if TYPE_CHECKING:
     from omnigate.engines.omni.engine import OmniEngine
     from omnigate.engines.vad import SpeechProbability
-    from omnigate.gateway.webrtc.endpoint import WebRtcCalls
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class VideoChatCall:
         lease: SessionLease,
         telemetry: WebRtcTelemetry,
         engine: OmniEngine,
+        frames: FrameDecodePool,
         vad: SpeechProbability,
     ) -> None:
         assert gateway.pool is not None
@@ -109,10 +111,12 @@ class VideoChatCall:
         self.lease = lease
         self.telemetry = telemetry
         limits = chat_limits(gateway)
-        self.runner = VideoChatRunner(engine, gateway.pool, gateway.limits(self.settings.webrtc_outbox_ms), limits)
+        self.track = SpeechTrack(lambda: self.runner.session.latest_query, DEFAULT_LEAD_FRAMES)
+        speech_limits = gateway.limits(self.settings.webrtc_outbox_ms)
+        # However the session ends, the writer must not wait for room on a track that may not be playing.
+        self.runner = VideoChatRunner(engine, gateway.pool, frames, speech_limits, limits, on_closed=self.track.wake)
         lease.drain_target = self
         self.questions = SpokenQuestions(vad, limits.max_audio_bytes)
-        self.track = SpeechTrack(lambda: self.runner.session.latest_query, DEFAULT_LEAD_FRAMES)
         self.pc = RTCPeerConnection(rtc_configuration(self.settings.webrtc_stun_servers))
         self._channel: ChannelWriter | None = None
         self._heard = bytearray()  # microphone audio the VAD has not heard yet
@@ -286,22 +290,22 @@ class VideoChatCall:
 async def video_chat_calls_endpoint(request: Request) -> Response:
     """``POST /v1/video/chat/calls``: an SDP offer with camera and microphone in; 503 without an omni model."""
     from omnigate.engines.vad import SpeechProbability
-    from omnigate.gateway.webrtc.endpoint import _admit, _answer, _read_offer
 
     gateway: Gateway = request.app.state.gateway
     calls: WebRtcCalls = request.app.state.webrtc
     engine: OmniEngine | None = getattr(request.app.state, "omni_engine", None)
     try:
-        offer = await _read_offer(request, gateway.settings.webrtc_max_offer_bytes)
+        offer = await read_offer(request, gateway.settings.webrtc_max_offer_bytes)
         if engine is None:
             raise HttpError(
                 503, "this gateway serves no omni model (start it with --omni-model)", code="video_chat_unavailable"
             )
         if gateway.pool is None:
             raise HttpError(503, "the engine is not loaded yet", code="not_ready")
-        lease = _admit(gateway, TRANSPORT)
+        lease = admit_call(gateway, TRANSPORT)
     except HttpError as exc:
         return exc.response()
     vad = await asyncio.to_thread(SpeechProbability, RTC_SAMPLE_RATE)
-    call = VideoChatCall("rtc_" + secrets.token_hex(12), gateway, lease, calls.telemetry, engine, vad)
-    return await _answer(call, offer, calls, CALLS_PATH)
+    frames = frame_decoding(request.app)
+    call = VideoChatCall("rtc_" + secrets.token_hex(12), gateway, lease, calls.telemetry, engine, frames, vad)
+    return await answer_call(call, offer, calls, CALLS_PATH)

@@ -32,8 +32,6 @@ from omnigate.sessions.video_chat import (
     VideoChatConfig,
 )
 
-MAX_FRAME_BYTES = 10 * 1024 * 1024
-
 
 class SamplingParams(msgspec.Struct, frozen=True):
     temperature: float | None = None
@@ -105,9 +103,14 @@ def decode_client_event(text: str | bytes) -> ClientEvent:
         raise ProtocolError("invalid_json", f"not a JSON event: {exc}") from None
 
 
-def decode_base64(data: str, param: str, limit: int) -> bytes:
+def check_base64_size(data: str, param: str, limit: int) -> None:
+    """Refuse base64 text that would decode to more than ``limit`` bytes (checked before decoding)."""
     if len(data) > limit * 4 // 3 + 4:
         raise ProtocolError("input_too_large", f"{param} exceeds {limit} bytes", param)
+
+
+def decode_base64(data: str, param: str, limit: int) -> bytes:
+    check_base64_size(data, param, limit)
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):

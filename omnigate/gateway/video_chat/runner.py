@@ -13,18 +13,17 @@ transport has taken the audio before it, so the engine's credit still follows wh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import av
 import msgspec
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.omni.request import EncoderCache, ThinkOutput, ThinkRequest
 from omnigate.engines.pool_api import EnginePoolAPI
-from omnigate.gateway.video_chat.frames import FrameDecoder
+from omnigate.gateway.video_chat.frames import EncodedFrame, FrameDecodePool, FrameDecoder
 from omnigate.sessions.driver import SessionDriver
 from omnigate.sessions.messages import AppendText, Cancel, Configure, Flush, SessionClosed, SessionConfig
 from omnigate.sessions.speech import SessionLimits
@@ -69,12 +68,16 @@ class VideoChatRunner:
         self,
         engine: OmniEngine,
         pool: EnginePoolAPI[Any],
+        frames: FrameDecodePool,
         speech_limits: SessionLimits,
         limits: VideoChatLimits,
         *,
         seed: int = 0,
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.frame_budget = frames.budget
+        self._on_closed = on_closed
         self.session = VideoChatSession(engine.model.tokenizer, limits)
         # The video-chat session keeps its own idle rule (frames keep it alive); the speech stream never idles out.
         limits_no_idle = msgspec.structs.replace(speech_limits, idle_timeout_ms=speech_limits.max_session_ms)
@@ -90,12 +93,15 @@ class VideoChatRunner:
         self._audio_taken.set()
         self._closed = False
         self.decoder = FrameDecoder(
+            frames,
             engine.info.frame_size,
             self._on_frame,
-            self._on_frame_error,
+            self._on_frame_refused,
+            self._on_worker_died,
             capacity=limits.max_decoding_frames,
         )
         self._pump = asyncio.create_task(self._pump_speech(), name="video-chat-speech")
+        self._pump.add_done_callback(self._pump_ended)
 
     # ---- client inputs ----------------------------------------------------------------------------------------
 
@@ -117,8 +123,8 @@ class VideoChatRunner:
         if voice_changed and self.session.config is config and not self.session.answering:
             self.driver.submit(Configure(SessionConfig(voice=config.voice)))
 
-    def frame(self, data: bytes | av.VideoFrame) -> None:
-        admitted, actions = self.session.frame_arrived()
+    def frame(self, data: EncodedFrame) -> None:
+        admitted, actions = self.session.frame_arrived(server_full=not self.decoder.has_room)
         self._apply(actions)
         if admitted:
             self.decoder.put(data)
@@ -161,8 +167,7 @@ class VideoChatRunner:
         if not self._closed:
             self.abort("released")
         self._pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._pump
+        await asyncio.wait([self._pump])  # a pump that died has ended the session already
         await self.decoder.close()
         self.driver.release()
 
@@ -203,6 +208,8 @@ class VideoChatRunner:
                 self._ready.set()
                 self._closed = True
                 self.driver.abort(action.reason)
+                if self._on_closed is not None:
+                    self._on_closed()
 
     def _start(self, action: StartThink) -> None:
         query = action.query
@@ -234,8 +241,19 @@ class VideoChatRunner:
     def _on_frame(self, frame: DecodedFrame) -> None:
         self._apply(self.session.on_frame(frame))
 
-    def _on_frame_error(self, message: str) -> None:
-        self._apply(self.session.on_frame_failed(message))
+    def _on_frame_refused(self, code: str, message: str) -> None:
+        self._apply(self.session.on_frame_failed(code, message))
+
+    def _on_worker_died(self, message: str) -> None:
+        """A task of the session ended unexpectedly: nothing it owed will come, so the session ends, typed."""
+        self.fail("internal_error", message)
+
+    def _pump_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("a video-chat speech pump stopped", exc_info=error)
+        self._on_worker_died(f"the speech stream stopped: {type(error).__name__}: {error}")
 
     async def _pump_speech(self) -> None:
         while True:

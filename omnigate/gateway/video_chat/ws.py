@@ -18,8 +18,8 @@ from omnigate.gateway.errors import json_error
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.task_pair import park, run_reader_writer
+from omnigate.gateway.video_chat.frames import FrameDecodePool
 from omnigate.gateway.video_chat.protocol import (
-    MAX_FRAME_BYTES,
     AudioChunkEvent,
     PingEvent,
     ProtocolError,
@@ -27,6 +27,7 @@ from omnigate.gateway.video_chat.protocol import (
     VideoDoneEvent,
     VideoFrameEvent,
     VideoQueryEvent,
+    check_base64_size,
     decode_base64,
     decode_client_event,
     event_json,
@@ -50,12 +51,19 @@ CLOSE_CODES = {
     "backlog": 1008,
     "stalled": 1008,
     "shutting_down": 1012,
+    "internal_error": 1011,
 }
 
 
 def omni_engine(ws: WebSocket) -> OmniEngine | None:
     engine: OmniEngine | None = getattr(ws.app.state, "omni_engine", None)
     return engine
+
+
+def frame_decoding(app: Any) -> FrameDecodePool:
+    """The server's frame decode pool (``app.state.frame_decoding``)."""
+    pool: FrameDecodePool = app.state.frame_decoding
+    return pool
 
 
 def chat_limits(gateway: Gateway) -> VideoChatLimits:
@@ -76,7 +84,7 @@ async def video_chat_endpoint(ws: WebSocket) -> None:
     try:
         with gateway.registry.admit(TRANSPORT) as lease:
             await ws.accept()
-            connection = VideoChatConnection(ws, gateway, engine)
+            connection = VideoChatConnection(ws, gateway, engine, frame_decoding(ws.app))
             lease.drain_target = connection
             await connection.run()
     except SessionLimitReached as exc:
@@ -97,7 +105,9 @@ def handle_client_text(runner: VideoChatRunner, text: str, settings: Settings) -
     try:
         event = decode_client_event(text)
         if isinstance(event, VideoFrameEvent):
-            runner.frame(decode_base64(event.data, "data", MAX_FRAME_BYTES))
+            # Decoded from base64 with the picture, on the frame pool: a frame refused for backpressure costs nothing.
+            check_base64_size(event.data, "data", runner.frame_budget.max_bytes)
+            runner.frame(event.data)
         elif isinstance(event, AudioChunkEvent):
             runner.audio(decode_base64(event.data, "data", settings.ws_max_message_bytes))
         elif isinstance(event, VideoQueryEvent):
@@ -122,12 +132,12 @@ def handle_client_text(runner: VideoChatRunner, text: str, settings: Settings) -
 class VideoChatConnection:
     """One accepted connection; also the session's drain target (idle while no query is answered)."""
 
-    def __init__(self, ws: WebSocket, gateway: Gateway, engine: OmniEngine) -> None:
+    def __init__(self, ws: WebSocket, gateway: Gateway, engine: OmniEngine, frames: FrameDecodePool) -> None:
         assert gateway.pool is not None
         self.ws = ws
         self.settings = gateway.settings
         self.runner = VideoChatRunner(
-            engine, gateway.pool, gateway.limits(self.settings.ws_outbox_ms), chat_limits(gateway)
+            engine, gateway.pool, frames, gateway.limits(self.settings.ws_outbox_ms), chat_limits(gateway)
         )
         self.disconnected = False
         self._receive_timeout: asyncio.Timeout | None = None
