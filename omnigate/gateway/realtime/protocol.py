@@ -11,6 +11,8 @@ from typing import Any
 import msgspec
 
 from omnigate.gateway.errors import UNDECODABLE
+from omnigate.gateway.json_budget import CODE as JSON_BUDGET_CODE
+from omnigate.gateway.json_budget import json_budget_problem
 from omnigate.sessions.realtime.client_events import (
     CLIENT_EVENT_TYPES,
     ClientEvent,
@@ -63,6 +65,9 @@ def size_limit(kind: str | None, limits: RealtimeLimits) -> int:
 
 def read_client_message(raw: str | bytes, limits: RealtimeLimits) -> ClientEvent | UnreadableEvent:
     """One client text message as an event, or why it is none."""
+    problem = json_budget_problem(raw)
+    if problem is not None:
+        return UnreadableEvent(JSON_BUDGET_CODE, problem)
     size = len(raw)
     if size > limits.max_event_bytes:
         kind, event_id = peek(raw)

@@ -13,6 +13,8 @@ import msgspec
 
 from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
+from omnigate.gateway.json_budget import CODE as JSON_BUDGET_CODE
+from omnigate.gateway.json_budget import json_budget_problem
 from omnigate.gateway.speech.protocol import (
     CLIENT_EVENT_TYPES,
     ClientEvent,
@@ -64,6 +66,10 @@ class SpeechInput:
 
     def on_text(self, text: str) -> ClientEvent | None:
         """Apply one JSON message; returns the event it carried, or None when it was refused with an error."""
+        problem = json_budget_problem(text)
+        if problem is not None:
+            self.error(JSON_BUDGET_CODE, problem)
+            return None
         size = len(text.encode("utf-8"))
         if size > self.settings.ws_max_text_event_bytes and event_type_of(text) != "session.config":
             self.error(

@@ -65,13 +65,17 @@ def decode_client_event(raw: bytes | str) -> ClientEvent:
     return event
 
 
+class _TypeEnvelope(msgspec.Struct):
+    type: Any = None
+
+
 def event_type_of(raw: bytes | str) -> Any:
-    """The ``type`` field of a JSON object, or None, to word errors for unknown event types."""
+    """The ``type`` field of a JSON object, or None, to word errors for unknown event types. Read into an envelope of
+    that one field, so the rest of the message is skipped, not built."""
     try:
-        obj = msgspec.json.decode(raw)
-    except UNDECODABLE:
+        return msgspec.json.decode(raw, type=_TypeEnvelope).type
+    except (*UNDECODABLE, msgspec.ValidationError):
         return None
-    return obj.get("type") if isinstance(obj, dict) else None
 
 
 def to_session_config(

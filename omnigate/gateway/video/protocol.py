@@ -15,6 +15,8 @@ import msgspec
 
 from omnigate.engines.video.outputs import VideoDone, decoded_before_first_consumed, first_time
 from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
+from omnigate.gateway.json_budget import CODE as JSON_BUDGET_CODE
+from omnigate.gateway.json_budget import json_budget_problem
 from omnigate.gateway.speech.protocol import event_type_of
 
 if TYPE_CHECKING:
@@ -70,6 +72,9 @@ def decode_client_event(text: str, max_bytes: int) -> ClientEvent:
     size = len(text.encode("utf-8"))
     if size > max_bytes:
         raise ProtocolError("message_too_large", f"event of {size} bytes exceeds the limit of {max_bytes} bytes")
+    problem = json_budget_problem(text)
+    if problem is not None:
+        raise ProtocolError(JSON_BUDGET_CODE, problem)
     try:
         event: ClientEvent = msgspec.json.decode(text, type=ClientEvent)
     except msgspec.ValidationError as exc:

@@ -19,6 +19,8 @@ import msgspec
 
 from omnigate.codecs.encoder import complete_wav, streaming_wav_header
 from omnigate.gateway.errors import UNDECODABLE, describe_validation_error
+from omnigate.gateway.json_budget import CODE as JSON_BUDGET_CODE
+from omnigate.gateway.json_budget import json_budget_problem
 from omnigate.sessions.video_chat import (
     ChatError,
     ChatEvent,
@@ -91,6 +93,10 @@ class ProtocolError(ValueError):
 
 
 def decode_client_event(text: str | bytes) -> ClientEvent:
+    """One client event from its JSON text. Raises :class:`ProtocolError`."""
+    problem = json_budget_problem(text)
+    if problem is not None:
+        raise ProtocolError(JSON_BUDGET_CODE, problem)
     try:
         event: ClientEvent = _DECODER.decode(text)
         return event
