@@ -37,6 +37,8 @@ from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, synthesis_params
 
 TRANSPORT = "http-speech"
+# Refusals of the engine tier, not of the request: 503 with Retry-After (anything else is the request's fault, 400).
+RETRYABLE_REFUSALS = frozenset({"engine_busy", "engine_unavailable", "shutting_down"})
 # OpenAI's TTS output is 24 kHz for every format (Opus is carried at 48 kHz).
 OPENAI_SAMPLE_RATE = 24_000
 
@@ -148,10 +150,9 @@ async def speech_endpoint(request: Request) -> Response:
     first = await driver.next_event()
     if isinstance(first, ErrorEvent):
         cleanup()
-        status = 503 if first.code in ("engine_busy", "shutting_down") else 400
-        return HttpError(
-            status, first.message, code=first.code, retry_after_s=1.0 if status == 503 else None
-        ).response()
+        status = 503 if first.code in RETRYABLE_REFUSALS else 400
+        retry_after_s = gateway.settings.retry_after_s if status == 503 else None
+        return HttpError(status, first.message, code=first.code, retry_after_s=retry_after_s).response()
 
     async def audio_bytes() -> AsyncGenerator[bytes, None]:
         event: object = first
