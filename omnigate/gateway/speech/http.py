@@ -7,6 +7,7 @@ never finished as if complete (see :mod:`omnigate.gateway.speech.http_stream`); 
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import AsyncGenerator
 from typing import Literal
 
@@ -17,6 +18,7 @@ from starlette.responses import Response
 from omnigate.codecs.formats import UnsupportedFormat, get_format
 from omnigate.gateway.errors import UNDECODABLE, HttpError, describe_validation_error
 from omnigate.gateway.ops.metrics import Metrics
+from omnigate.gateway.speech.adapter import INTERNAL_ERROR
 from omnigate.gateway.speech.audio_out import AudioOut
 from omnigate.gateway.speech.http_stream import AbortableStreamingResponse, BodyAborted
 from omnigate.gateway.speech.voices import resolve_voice
@@ -35,6 +37,8 @@ from omnigate.sessions.messages import (
 from omnigate.sessions.registry import SessionLimitReached
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, synthesis_params
+
+log = logging.getLogger(__name__)
 
 TRANSPORT = "http-speech"
 # Refusals of the engine tier, not of the request: 503 with Retry-After (anything else is the request's fault, 400).
@@ -139,7 +143,13 @@ async def speech_endpoint(request: Request) -> Response:
     driver.submit(Configure(config))
     driver.submit(AppendText(req.input))
     driver.submit(Flush())
-    out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
+    try:
+        out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
+    except Exception:
+        log.exception("could not open the audio encoder")
+        driver.release()
+        lease.release()
+        return HttpError(500, "the server could not start the audio stream; retry", code=INTERNAL_ERROR).response()
 
     def cleanup() -> None:
         out.close()
@@ -175,6 +185,12 @@ async def speech_endpoint(request: Request) -> Response:
                 elif isinstance(event, SessionClosed):
                     raise SpeechCutOff(error or ErrorEvent(event.code or event.reason, "the session was closed"))
                 event = await driver.next_event()
+        except SpeechCutOff:
+            raise
+        except Exception as exc:  # the encoder (or anything else serving the body) failed: cut off, typed
+            log.exception("a speech response failed")
+            message = "the server failed while speaking; retry"
+            raise SpeechCutOff(ErrorEvent(INTERNAL_ERROR, message)) from exc
         finally:
             cleanup()
 
