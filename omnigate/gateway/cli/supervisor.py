@@ -102,6 +102,8 @@ class Supervisor:
         await self.core.start()
         for worker in self.workers:
             await worker.start()
+        if self._stop.is_set():  # a signal came while they started: those started after it drain too
+            self._stop_workers(signal.SIGTERM)
         # One watcher per child for the supervisor's whole life: it sees every exit, however many restarts.
         core_watch = loop.create_task(self._watch(self.core), name="watch-engine-core")
         worker_watches = [loop.create_task(self._watch(w), name=f"watch-{w.name}") for w in self.workers]
