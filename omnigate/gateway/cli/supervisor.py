@@ -32,6 +32,9 @@ from omnigate.gateway.cli.restart_policy import GiveUp, RestartPolicy, RestartTr
 log = logging.getLogger("omnigate.gateway.cli.supervisor")
 
 CORE_STOP_TIMEOUT_S = 30.0
+# After giving up on a child, the workers get this long to drain before they are killed: a worker still starting
+# waits for a core that will not come back and does not act on SIGTERM until its startup ends.
+GIVE_UP_STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -79,6 +82,7 @@ class Supervisor:
         self.workers = [Child(f"gateway worker {i}", worker_argv, RestartTracker(policy)) for i in range(workers)]
         self._signals = 0
         self._stop = asyncio.Event()
+        self._kill_timer: asyncio.TimerHandle | None = None
         self.exit_code = 0
 
     def on_signal(self, sig: int) -> None:
@@ -94,6 +98,10 @@ class Supervisor:
         self._stop.set()
         for worker in self.workers:
             worker.signal(sig)
+
+    def _kill_workers(self) -> None:
+        log.error("gateway workers still running %g s after serve gave up; killing them", GIVE_UP_STOP_TIMEOUT_S)
+        self._stop_workers(signal.SIGKILL)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -118,6 +126,8 @@ class Supervisor:
                 self.core.signal(signal.SIGKILL)
                 await self.core.wait()
         finally:
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
             for task in (core_watch, *worker_watches):
                 task.cancel()
             await asyncio.gather(core_watch, *worker_watches, return_exceptions=True)
@@ -145,6 +155,9 @@ class Supervisor:
                 )
                 self.exit_code = 1
                 self._stop_workers(signal.SIGTERM)
+                if self._kill_timer is None:
+                    loop = asyncio.get_running_loop()
+                    self._kill_timer = loop.call_later(GIVE_UP_STOP_TIMEOUT_S, self._kill_workers)
                 return 0
             log.error(
                 "%s exited with %s (failure %d in a row); restarting in %.1f s",
