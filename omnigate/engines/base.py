@@ -115,10 +115,21 @@ class SegmentDone(msgspec.Struct, frozen=True, tag="segment.done"):
 
 
 class StreamDone(msgspec.Struct, frozen=True, tag="stream.done"):
-    """The stream produced its last output. Exactly one per stream, and always the last output."""
+    """The stream produced its last output. Exactly one per stream, and always the last output.
+
+    A stream the engine tier ended or refused (``reason="error"``: the engine core or replica was lost, refused the
+    stream, was drained) carries the typed ``code`` its session reports to the client (``engine_unavailable``,
+    ``engine_busy``, ``shutting_down``); an engine failure has none (the session reports ``generation_failed``).
+    """
 
     reason: StopReason = "completed"
     error: str | None = None
+    code: str | None = None
+
+
+def stream_failed(code: str, message: str) -> StreamDone:
+    """The last output of a stream that failed with the typed error ``code`` (the message starts with it)."""
+    return StreamDone(reason="error", error=f"{code}: {message}", code=code)
 
 
 EngineOutput = SegmentStarted | AudioChunk | SegmentDone | StreamDone

@@ -46,6 +46,8 @@ from omnigate.integrations.speech_client import (
 _CONSEQUENTIAL = frozenset({"no_config"})
 _CATEGORIES = {
     "server_busy": ErrorCategory.RATE_LIMIT,
+    "engine_busy": ErrorCategory.RATE_LIMIT,
+    "engine_unavailable": ErrorCategory.SERVER,
     "not_ready": ErrorCategory.SERVER,
     "shutting_down": ErrorCategory.SERVER,
     "generation_failed": ErrorCategory.SERVER,

@@ -16,7 +16,17 @@ import msgspec
 STREAM_PATH = "/v1/audio/speech/stream"
 
 # Error codes after which the same request may succeed later (no free slot, the engine loading, a restart).
-RETRYABLE_CODES = frozenset({"server_busy", "not_ready", "shutting_down", "generation_failed", "idle_timeout"})
+RETRYABLE_CODES = frozenset(
+    {
+        "server_busy",
+        "engine_busy",
+        "engine_unavailable",
+        "not_ready",
+        "shutting_down",
+        "generation_failed",
+        "idle_timeout",
+    }
+)
 
 
 def stream_url(base_url: str) -> str:

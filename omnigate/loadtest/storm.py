@@ -9,6 +9,13 @@ Each session follows one pattern, drawn with a seeded generator:
 - ``no_config``: connect and close without ever sending ``session.config``;
 - ``no_config_vanish``: connect and drop the connection without a word;
 - ``http_abort``: ``POST /v1/audio/speech`` and hang up after the first chunk of audio.
+
+Two more are for a server whose mp3 encoder has been made to fail (a fault-injection run, as the storm tests do: a
+task serving the session dies) and are not in the default mix:
+
+- ``encoder_dies``: speak asking for mp3; the session must end with ``error`` ``internal_error`` and close 1011;
+- ``http_encoder_dies``: ``POST /v1/audio/speech`` for mp3 over SSE; an ``error`` event ``internal_error`` must come
+  before the body is cut off.
 """
 
 from __future__ import annotations
@@ -24,9 +31,18 @@ from typing import Literal
 import httpx
 import msgspec
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import InvalidStatus, WebSocketException
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-Pattern = Literal["cancel", "cancel_vanish", "vanish_mid_frame", "no_config", "no_config_vanish", "http_abort"]
+Pattern = Literal[
+    "cancel",
+    "cancel_vanish",
+    "vanish_mid_frame",
+    "no_config",
+    "no_config_vanish",
+    "http_abort",
+    "encoder_dies",
+    "http_encoder_dies",
+]
 PATTERNS: tuple[Pattern, ...] = (
     "cancel",
     "cancel_vanish",
@@ -35,6 +51,9 @@ PATTERNS: tuple[Pattern, ...] = (
     "no_config_vanish",
     "http_abort",
 )
+# Only against a server whose mp3 encoder fails (see the module's docstring).
+DYING_ENCODER_PATTERNS: tuple[Pattern, ...] = ("encoder_dies", "http_encoder_dies")
+DYING_FORMAT = "mp3"
 STREAM_PATH = "/v1/audio/speech/stream"
 SPEECH_PATH = "/v1/audio/speech"
 DEFAULT_TEXT = (
@@ -136,8 +155,48 @@ async def _http_abort(client: httpx.AsyncClient, text: str) -> None:
             break
 
 
+async def _encoder_dies(url: str, text: str) -> None:
+    async with connect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.config", "response_format": DYING_FORMAT}))
+        await ws.send(json.dumps({"type": "input.text", "text": text}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        codes: list[str] = []
+        try:
+            async with asyncio.timeout(READ_LIMIT_S):
+                while True:
+                    message = await ws.recv()
+                    if isinstance(message, str) and (event := json.loads(message))["type"] == "error":
+                        codes.append(event["code"])
+        except ConnectionClosed:
+            pass
+    if codes != ["internal_error"] or ws.close_code != 1011:
+        raise _Unexpected(f"dying_encoder:{','.join(codes) or 'no_error'}:{ws.close_code}")
+
+
+async def _http_encoder_dies(client: httpx.AsyncClient, text: str) -> None:
+    body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": DYING_FORMAT, "stream_format": "sse"}
+    codes: list[str] = []
+    try:
+        async with client.stream("POST", SPEECH_PATH, json=body) as response:
+            if response.status_code != 200:
+                raise _Unexpected(f"http:{response.status_code}")
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and (event := json.loads(line[6:]))["type"] == "error":
+                    codes.append(event["error"]["code"])
+    except httpx.RemoteProtocolError:  # the cut-off body: expected after the error event
+        pass
+    else:
+        raise _Unexpected("dying_encoder:http_body_completed")
+    if codes != ["internal_error"]:
+        raise _Unexpected(f"dying_encoder:http:{','.join(codes) or 'no_error'}")
+
+
 async def _one(pattern: Pattern, ws_url: str, client: httpx.AsyncClient, text: str) -> None:
-    if pattern in ("cancel", "cancel_vanish"):
+    if pattern == "encoder_dies":
+        await _encoder_dies(ws_url, text)
+    elif pattern == "http_encoder_dies":
+        await _http_encoder_dies(client, text)
+    elif pattern in ("cancel", "cancel_vanish"):
         await _cancel(ws_url, text, vanish=pattern == "cancel_vanish")
     elif pattern == "vanish_mid_frame":
         await _vanish_mid_frame(ws_url, text)

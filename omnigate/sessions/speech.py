@@ -234,7 +234,8 @@ class SpeechSession:
             elif isinstance(out, StreamDone):
                 self._last_activity_ms = now_ms
                 if out.reason == "error":
-                    actions.append(Emit(ErrorEvent("generation_failed", out.error or "generation failed", fatal=False)))
+                    code = out.code or "generation_failed"
+                    actions.append(Emit(ErrorEvent(code, out.error or "generation failed", fatal=False)))
                 actions.extend(self._finish_head(out.reason, out.error))
                 break
         return actions

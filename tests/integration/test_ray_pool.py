@@ -224,7 +224,7 @@ async def test_a_killed_replica_fails_only_its_sessions_typed_and_new_sessions_g
         completed = [events for events in outcomes if events[-1]["status"] == "completed"]
         assert len(failed) == 1 and len(completed) == 1
         errors = [e for e in failed[0] if e["type"] == "error"]
-        assert len(errors) == 1 and errors[0]["code"] == "generation_failed"
+        assert len(errors) == 1 and errors[0]["code"] == "engine_unavailable"
         assert errors[0]["message"].startswith("engine_unavailable:")
         assert not [e for e in completed[0] if e["type"] == "error"]
         # Both sessions live on; their next utterances run on the surviving replica.

@@ -23,7 +23,15 @@ import uuid
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from omnigate.engines.base import AudioChunk, EngineError, EngineInfo, EngineOutput, StreamDone, SynthesisParams
+from omnigate.engines.base import (
+    AudioChunk,
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    StreamDone,
+    SynthesisParams,
+    stream_failed,
+)
 from omnigate.engines.pool import PoolClosed, PoolFull
 from omnigate.engines.pool_api import OutputSink
 from omnigate.engines.remote.protocol import (
@@ -43,7 +51,8 @@ from omnigate.engines.remote.transport import ReplicaDirectory, ReplicaTransport
 
 log = logging.getLogger(__name__)
 
-LOST_ERROR = "engine_unavailable: the engine replica serving this utterance stopped; retry the utterance"
+LOST = stream_failed("engine_unavailable", "the engine replica serving this utterance stopped; retry the utterance")
+UNREACHABLE = stream_failed("engine_unavailable", "no engine replica is reachable; retry shortly")
 # Refusals that say "not here": the stream tries another replica.
 _REROUTABLE = frozenset({"engine_busy", "draining", "shutting_down"})
 
@@ -347,17 +356,18 @@ class RemoteEnginePool:
                     return
                 replica = self.router.route(rs.session, exclude=rs.tried)
                 if replica is None:
-                    self._end(rs, refusal)
+                    self._deliver(rs, [refusal])
         finally:
             rs.closed = True
             self._forget(rs)
 
-    async def _serve_on(self, rs: RemoteStream, name: str) -> str | None:
-        """Run the stream on ``name``. Returns a refusal (the stream may try elsewhere) or None when it ended."""
+    async def _serve_on(self, rs: RemoteStream, name: str) -> StreamDone | None:
+        """Run the stream on ``name``. Returns a refusal, as the stream's typed end (the stream may try elsewhere
+        first), or None when it ended."""
         rs.tried.add(name)
         link = self._links.get(name)
         if link is None:
-            return "engine_unavailable: no engine replica is reachable; retry shortly"
+            return UNREACHABLE
         rs.replica = name
         request = OpenStream(rs.id, self.gateway_id, rs.params, rs.credit_limit_ms, list(rs.texts), rs.input_done)
         rs.sent_texts, rs.sent_input_done, rs.sent_limit_ms = len(rs.texts), rs.input_done, rs.credit_limit_ms
@@ -376,21 +386,23 @@ class RemoteEnginePool:
                     reroute = message.code in _REROUTABLE
                     self.router.refused(name, rs.session, free_slots=message.free_slots, draining=reroute)
                     if reroute:
-                        return f"{message.code}: {message.message}; retry after {message.retry_after_s:g} s"
-                    self._end(rs, f"{message.code}: {message.message}")
+                        hint = f"{message.message}; retry after {message.retry_after_s:g} s"
+                        return stream_failed(message.code, hint)
+                    self._deliver(rs, [stream_failed(message.code, message.message)])
                     return None
-            self._end(rs, "engine_unavailable: the engine stream ended before finishing")
+            self._deliver(rs, [stream_failed("engine_unavailable", "the engine stream ended before finishing")])
             return None
         except ReplicaUnavailable as exc:
             log.warning("engine replica %s lost: %s", name, exc)
             self.router.lost(name)
             if not rs.acked:
-                return "engine_unavailable: no engine replica is reachable; retry shortly"
-            self._end(rs, LOST_ERROR)
+                return UNREACHABLE
+            self._deliver(rs, [LOST])
             return None
         except Exception as exc:  # an error raised inside the replica, surfaced by the transport
             log.exception("engine stream failed on replica %s", name)
-            self._end(rs, f"engine_error: {type(exc).__name__}")
+            # An engine failure, not the engine tier's: no code of its own (the client gets generation_failed).
+            self._deliver(rs, [StreamDone(reason="error", error=f"engine_error: {type(exc).__name__}")])
             return None
         finally:
             await messages.aclose()
@@ -423,9 +435,6 @@ class RemoteEnginePool:
         if delivered:
             rs.sink(delivered)
         return ended
-
-    def _end(self, rs: RemoteStream, error: str) -> None:
-        self._deliver(rs, [StreamDone(reason="error", error=error)])
 
     def _send(self, rs: RemoteStream, texts: list[str] | None = None, input_done: bool = False) -> None:
         link = self._links.get(rs.replica) if rs.replica is not None else None

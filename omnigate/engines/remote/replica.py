@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from omnigate.engines.admission import AdmissionSettings
-from omnigate.engines.base import Engine, EngineError, EngineOutput, StreamDone
+from omnigate.engines.base import Engine, EngineError, EngineOutput, StreamDone, stream_failed
 from omnigate.engines.pool import EnginePool, PoolClosed, PoolFull, PoolStream
 from omnigate.engines.remote.protocol import (
     DrainResult,
@@ -33,8 +33,8 @@ from omnigate.engines.remote.protocol import (
 
 log = logging.getLogger(__name__)
 
-DRAIN_CUT_ERROR = "shutting_down: the engine replica was drained; retry the utterance"
-LEASE_ERROR = "gateway_lost: the gateway stopped renewing its streams"
+DRAIN_CUT = stream_failed("shutting_down", "the engine replica was drained; retry the utterance")
+LEASE_LOST = stream_failed("gateway_lost", "the gateway stopped renewing its streams")
 
 
 @dataclass(eq=False)
@@ -180,7 +180,7 @@ class ReplicaCore:
                 pass
         cut = 0
         for served in list(self._streams.values()):
-            self._cut(served, DRAIN_CUT_ERROR)
+            self._cut(served, DRAIN_CUT)
             cut += 1
         log.info("drained: %d streams finished, %d cut at the deadline", live - cut, cut)
         return encode(DrainResult(self.replica, finished=live - cut, cut=cut))
@@ -221,14 +221,14 @@ class ReplicaCore:
             for served in list(self._streams.values()):
                 if served.gateway in expired:
                     log.warning("ending a stream of a gateway silent for %.0f s", self.gateway_lease_s)
-                    self._cut(served, LEASE_ERROR)
+                    self._cut(served, LEASE_LOST)
             for gateway in expired:
                 del self._heard[gateway]
 
-    def _cut(self, served: _Served, error: str) -> None:
+    def _cut(self, served: _Served, done: StreamDone) -> None:
         """End a stream now with a typed error; nothing the engine still produces for it is sent."""
         self.pool.abort(served.ps)
-        served.pending.append(StreamDone(reason="error", error=error))
+        served.pending.append(done)
         served.wake.set()
 
     def _apply(self, served: _Served, texts: list[str], input_done: bool, credit_limit_ms: float) -> None:

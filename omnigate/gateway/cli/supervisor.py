@@ -3,8 +3,9 @@
 The supervisor serves nothing itself. It starts the engine core (``python -m omnigate.engines.core``) and the
 gateway workers (``omnigate serve ... --attach-core PATH``), each with the serve options it was given; the workers
 bind the port with ``SO_REUSEPORT`` and reach the core over its Unix socket. Either kind of child that exits
-unexpectedly is started again after a backoff: while the core is down its gateways fail the streams it served with
-``engine_unavailable`` and answer ``/ready`` with 503, and attach again when it is back.
+unexpectedly is started again after a backoff, however many times it exits (:mod:`restart_policy`): while the core
+is down its gateways fail the streams it served with ``engine_unavailable`` and answer ``/ready`` with 503, and attach
+again when it is back. A child that keeps failing soon after its start ends serve with status 1.
 
 SIGTERM or SIGINT drains: the signal goes to every worker (each drains its own sessions, as a single gateway does),
 and the core is stopped only once every worker has exited, so live utterances finish. A second signal forces the
@@ -26,15 +27,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from omnigate.gateway.cli.restart_policy import GiveUp, RestartPolicy, RestartTracker
+
 log = logging.getLogger("omnigate.gateway.cli.supervisor")
 
-RESTART_BACKOFF_S = 0.2
-RESTART_BACKOFF_MAX_S = 5.0
-# A child that ran this long before exiting restarts without the backoff accumulated by earlier crashes.
-STABLE_AFTER_S = 30.0
-# A worker that fails this many times in a row without running stably (the port is taken, bad options) ends serve.
-MAX_WORKER_FAILURES = 5
 CORE_STOP_TIMEOUT_S = 30.0
+# After giving up on a child, the workers get this long to drain before they are killed: a worker still starting
+# waits for a core that will not come back and does not act on SIGTERM until its startup ends.
+GIVE_UP_STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -50,54 +50,58 @@ class Child:
 
     name: str
     argv: list[str]
-    process: asyncio.subprocess.Process | None = None
-    started_at: float = 0.0
-    failures_in_a_row: int = 0
-    waiter: asyncio.Task[int] | None = field(default=None, repr=False)
+    restarts: RestartTracker
+    process: asyncio.subprocess.Process | None = field(default=None, repr=False)
 
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
             *self.argv, start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None
         )
-        self.started_at = time.monotonic()
-        self.waiter = asyncio.get_running_loop().create_task(self.process.wait(), name=f"wait-{self.name}")
+        self.restarts.started(time.monotonic())
         log.info("%s started: pid %d", self.name, self.process.pid)
+
+    async def wait(self) -> int:
+        """The exit status of the current process (0 when none was started)."""
+        return 0 if self.process is None else await self.process.wait()
 
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(sig)
 
-    def exited(self) -> float:
-        """Book an exit: returns the backoff before a restart."""
-        ran_s = time.monotonic() - self.started_at
-        self.failures_in_a_row = 1 if ran_s >= STABLE_AFTER_S else self.failures_in_a_row + 1
-        backoff: float = RESTART_BACKOFF_S * 2.0 ** (self.failures_in_a_row - 1)
-        return min(RESTART_BACKOFF_MAX_S, backoff)
-
 
 class Supervisor:
     def __init__(self, serve_argv: Sequence[str], workers: int, socket_path: str) -> None:
+        policy = RestartPolicy()
         self.core = Child(
-            "engine core", [sys.executable, "-m", "omnigate.engines.core", "--socket", socket_path, *serve_argv]
+            "engine core",
+            [sys.executable, "-m", "omnigate.engines.core", "--socket", socket_path, *serve_argv],
+            RestartTracker(policy),
         )
         worker_argv = [sys.executable, "-m", "omnigate.gateway.cli", *serve_argv, "--attach-core", socket_path]
-        self.workers = [Child(f"gateway worker {i}", worker_argv) for i in range(workers)]
+        self.workers = [Child(f"gateway worker {i}", worker_argv, RestartTracker(policy)) for i in range(workers)]
         self._signals = 0
         self._stop = asyncio.Event()
+        self._kill_timer: asyncio.TimerHandle | None = None
         self.exit_code = 0
 
     def on_signal(self, sig: int) -> None:
         self._signals += 1
-        self._stop.set()
-        forward = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
         log.info(
             "received %s: %s the gateway workers",
             signal.Signals(sig).name,
             "draining" if self._signals == 1 else "killing",
         )
+        self._stop_workers(signal.SIGTERM if self._signals == 1 else signal.SIGKILL)
+
+    def _stop_workers(self, sig: int) -> None:
+        self._stop.set()
         for worker in self.workers:
-            worker.signal(forward)
+            worker.signal(sig)
+
+    def _kill_workers(self) -> None:
+        log.error("gateway workers still running %g s after serve gave up; killing them", GIVE_UP_STOP_TIMEOUT_S)
+        self._stop_workers(signal.SIGKILL)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -106,49 +110,67 @@ class Supervisor:
         await self.core.start()
         for worker in self.workers:
             await worker.start()
-        restarts: set[asyncio.Task[None]] = set()
-        stop_wait = loop.create_task(self._stop.wait(), name="supervisor-stop")
+        if self._stop.is_set():  # a signal came while they started: those started after it drain too
+            self._stop_workers(signal.SIGTERM)
+        # One watcher per child for the supervisor's whole life: it sees every exit, however many restarts.
+        core_watch = loop.create_task(self._watch(self.core), name="watch-engine-core")
+        worker_watches = [loop.create_task(self._watch(w), name=f"watch-{w.name}") for w in self.workers]
         try:
-            while not self._stop.is_set():
-                waiters = {c.waiter: c for c in (self.core, *self.workers) if c.waiter is not None}
-                done, _ = await asyncio.wait({*waiters, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    child = waiters.get(task)
-                    if child is None or self._stop.is_set():
-                        continue
-                    child.waiter = None
-                    backoff = child.exited()
-                    log.error("%s exited with %s; restarting in %.1f s", child.name, task.result(), backoff)
-                    if child is not self.core and child.failures_in_a_row > MAX_WORKER_FAILURES:
-                        log.error("%s keeps failing; stopping", child.name)
-                        self.exit_code = 1
-                        self.on_signal(signal.SIGTERM)
-                        break
-                    restart = loop.create_task(self._restart(child, backoff), name=f"restart-{child.name}")
-                    restarts.add(restart)
-                    restart.add_done_callback(restarts.discard)
-        finally:
-            stop_wait.cancel()
-            for restart in list(restarts):
-                restart.cancel()
-            await asyncio.gather(*restarts, return_exceptions=True)
-        # Drain: workers first (they finish their utterances on the core), then the core.
-        codes = [await w.waiter if w.waiter is not None else 0 for w in self.workers]
-        self.core.signal(signal.SIGTERM)
-        if self.core.waiter is not None:
+            # Drain: workers first (they finish their utterances on the core), then the core.
+            codes = await asyncio.gather(*worker_watches)
+            self.core.signal(signal.SIGTERM)
             try:
                 async with asyncio.timeout(CORE_STOP_TIMEOUT_S):
-                    await self.core.waiter
+                    await core_watch
             except TimeoutError:
                 self.core.signal(signal.SIGKILL)
-                await self.core.waiter
+                await self.core.wait()
+        finally:
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
+            for task in (core_watch, *worker_watches):
+                task.cancel()
+            await asyncio.gather(core_watch, *worker_watches, return_exceptions=True)
         if any(code != 0 for code in codes):
             self.exit_code = 1
         return self.exit_code
 
-    async def _restart(self, child: Child, backoff_s: float) -> None:
-        await asyncio.sleep(backoff_s)
-        if not self._stop.is_set():
+    async def _watch(self, child: Child) -> int:
+        """Restart ``child`` each time it exits unexpectedly until serve stops. Returns the exit status of its
+        last process when that ended after the stop began (0 when it was not running then)."""
+        while True:
+            code = await child.wait()
+            if self._stop.is_set():
+                return code
+            decision = child.restarts.exited(time.monotonic())
+            if isinstance(decision, GiveUp):
+                stable_s = child.restarts.policy.stable_after_s
+                log.error(
+                    "%s exited with %s: %d failures in a row, each within %g s of its start; it is not restarted "
+                    "again: stopping serve (status 1)",
+                    child.name,
+                    code,
+                    decision.failures_in_a_row,
+                    stable_s,
+                )
+                self.exit_code = 1
+                self._stop_workers(signal.SIGTERM)
+                if self._kill_timer is None:
+                    loop = asyncio.get_running_loop()
+                    self._kill_timer = loop.call_later(GIVE_UP_STOP_TIMEOUT_S, self._kill_workers)
+                return 0
+            log.error(
+                "%s exited with %s (failure %d in a row); restarting in %.1f s",
+                child.name,
+                code,
+                decision.failures_in_a_row,
+                decision.after_s,
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(decision.after_s):
+                    await self._stop.wait()
+            if self._stop.is_set():
+                return 0
             await child.start()
             if self._stop.is_set():  # a signal came while it started: it drains with the others
                 child.signal(signal.SIGTERM)

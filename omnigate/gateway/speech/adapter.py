@@ -42,6 +42,9 @@ from omnigate.sessions.messages import (
 )
 from omnigate.sessions.speech import ConfigError
 
+# The code of a session ended because a task serving it died (a bug or a fault, not the client's doing).
+INTERNAL_ERROR = "internal_error"
+
 
 class WireOutput(msgspec.Struct):
     """The client's output settings, fixed for the utterances it configured (config changes only when idle)."""
@@ -177,3 +180,17 @@ def session_done_event(event: UtteranceDone) -> dict[str, Any]:
 def error_event(event: ErrorEvent) -> dict[str, Any]:
     extra = {"param": event.param} if event.param else {}
     return json_error(event.code, event.message, **extra)
+
+
+def fail_session(driver: SessionDriver, message: str) -> list[dict[str, Any]]:
+    """End a session whose writer died: a fatal ``internal_error``, and what the client still has to be told, as
+    wire events: each unfinished utterance's ``session.done`` and the typed error. The audio the dead writer was
+    sending is dropped with its ``audio.*`` events; the caller sends these, then closes."""
+    driver.fail(INTERNAL_ERROR, message)
+    events: list[dict[str, Any]] = []
+    while (event := driver.outbox.pop()) is not None:
+        if isinstance(event, ErrorEvent):
+            events.append(error_event(event))
+        elif isinstance(event, UtteranceDone):
+            events.append(session_done_event(event))
+    return events

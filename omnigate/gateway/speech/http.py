@@ -10,6 +10,7 @@ refused before any audio.
 from __future__ import annotations
 
 import base64
+import logging
 import math
 from collections.abc import AsyncGenerator
 from typing import Literal
@@ -23,6 +24,7 @@ from omnigate.engines.base import speakable
 from omnigate.gateway.errors import UNDECODABLE, HttpError, describe_validation_error
 from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.settings import SLOWEST_CHARS_PER_S
+from omnigate.gateway.speech.adapter import INTERNAL_ERROR
 from omnigate.gateway.speech.audio_out import AudioOut
 from omnigate.gateway.speech.http_stream import AbortableStreamingResponse, BodyAborted
 from omnigate.gateway.speech.voices import resolve_voice
@@ -42,7 +44,11 @@ from omnigate.sessions.registry import SessionLimitReached
 from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import ConfigError, synthesis_params
 
+log = logging.getLogger(__name__)
+
 TRANSPORT = "http-speech"
+# Refusals of the engine tier, not of the request: 503 with Retry-After (anything else is the request's fault, 400).
+RETRYABLE_REFUSALS = frozenset({"engine_busy", "engine_unavailable", "shutting_down"})
 # OpenAI's TTS output is 24 kHz for every format (Opus is carried at 48 kHz).
 OPENAI_SAMPLE_RATE = 24_000
 
@@ -160,7 +166,13 @@ async def speech_endpoint(request: Request) -> Response:
     driver.submit(Configure(config))
     driver.submit(AppendText(req.input))
     driver.submit(Flush())
-    out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
+    try:
+        out = await AudioOut.open(req.response_format, gateway.pool.info.sample_rate, OPENAI_SAMPLE_RATE)
+    except Exception:
+        log.exception("could not open the audio encoder")
+        driver.release()
+        lease.release()
+        return HttpError(500, "the server could not start the audio stream; retry", code=INTERNAL_ERROR).response()
 
     def cleanup() -> None:
         out.close()
@@ -171,10 +183,9 @@ async def speech_endpoint(request: Request) -> Response:
     first = await driver.next_event()
     if isinstance(first, ErrorEvent):
         cleanup()
-        status = 503 if first.code in ("engine_busy", "shutting_down") else 400
-        return HttpError(
-            status, first.message, code=first.code, retry_after_s=1.0 if status == 503 else None
-        ).response()
+        status = 503 if first.code in RETRYABLE_REFUSALS else 400
+        retry_after_s = gateway.settings.retry_after_s if status == 503 else None
+        return HttpError(status, first.message, code=first.code, retry_after_s=retry_after_s).response()
 
     async def audio_bytes() -> AsyncGenerator[bytes, None]:
         event: object = first
@@ -201,6 +212,12 @@ async def speech_endpoint(request: Request) -> Response:
                 elif isinstance(event, SessionClosed):
                     raise SpeechCutOff(error or ErrorEvent(event.code or event.reason, "the session was closed"))
                 event = await driver.next_event()
+        except SpeechCutOff:
+            raise
+        except Exception as exc:  # the encoder (or anything else serving the body) failed: cut off, typed
+            log.exception("a speech response failed")
+            message = "the server failed while speaking; retry"
+            raise SpeechCutOff(ErrorEvent(INTERNAL_ERROR, message)) from exc
         finally:
             cleanup()
 

@@ -19,10 +19,12 @@ from omnigate.gateway.errors import json_error
 from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.security.client_session import minted_session, stored_session_event
 from omnigate.gateway.speech.adapter import (
+    INTERNAL_ERROR,
     SpeechInput,
     audio_done_event,
     audio_start_event,
     error_event,
+    fail_session,
     session_done_event,
 )
 from omnigate.gateway.speech.audio_out import AudioOut
@@ -51,6 +53,7 @@ CLOSE_CODES = {
     "max_duration": 1008,
     "stalled": 1008,
     "shutting_down": 1012,
+    INTERNAL_ERROR: 1011,
 }
 
 
@@ -105,9 +108,19 @@ class SpeechStreamConnection:
 
     async def run(self) -> None:
         try:
-            await run_reader_writer(self._read(), self._write(), "speech-stream")
+            failure = await run_reader_writer(self._read(), self._write(), "speech-stream")
+            if failure is not None:
+                await self._end_failed()
         finally:
             self.driver.release()
+
+    async def _end_failed(self) -> None:
+        """The reader or the writer died: the client gets a typed error and its utterances' ends, then close 1011."""
+        events = fail_session(self.driver, "the server failed while serving this session; retry")
+        for body in events:
+            if not await self._send_json(body):
+                return
+        await self._close(SessionClosed(INTERNAL_ERROR, INTERNAL_ERROR))
 
     # ---- reader -----------------------------------------------------------------------------------------------
 

@@ -32,10 +32,12 @@ from omnigate.gateway.realtime.service import RealtimeService
 from omnigate.gateway.realtime.ws import session_voice
 from omnigate.gateway.security.client_session import stored_session_event
 from omnigate.gateway.speech.adapter import (
+    INTERNAL_ERROR,
     SpeechInput,
     audio_done_event,
     audio_start_event,
     error_event,
+    fail_session,
     session_done_event,
 )
 from omnigate.gateway.speech.protocol import InputCancel
@@ -142,9 +144,22 @@ class WebRtcCall:
                 self._end_reason = self.realtime.end_reason
         except Exception:
             log.exception("webrtc call writer failed")
-            self._end_reason = "internal_error"
+            self._end_reason = INTERNAL_ERROR
+            if self.realtime is None:
+                await self._end_failed()
         finally:
             await self.close()
+
+    async def _end_failed(self) -> None:
+        """The writer died: the client gets a typed error and its utterances' ends on the channel, if it can."""
+        try:
+            for body in fail_session(self.driver, "the server failed while serving this call; retry"):
+                if not await self._send(body):
+                    return
+            if self._channel is not None:
+                await self._channel.flush()
+        except Exception:  # the channel itself is what failed: the call closes all the same
+            log.exception("could not tell a webrtc call why it ended")
 
     def stop(self, reason: str) -> None:
         """End the session from outside (server shutdown); :meth:`run` then closes the call."""
@@ -214,7 +229,15 @@ class WebRtcCall:
     def _spawn(self, coroutine: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
         self._inbound.add(task)
-        task.add_done_callback(self._inbound.discard)
+        task.add_done_callback(self._inbound_done)
+
+    def _inbound_done(self, task: asyncio.Task[None]) -> None:
+        self._inbound.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        # A task of this call died: the call ends typed rather than going on without it.
+        log.error("a webrtc call task failed", exc_info=task.exception())
+        self._fail(INTERNAL_ERROR, "the server failed while serving this call; retry")
 
     def _on_microphone(self, pcm: bytes) -> None:
         if self.realtime is not None:
