@@ -5,6 +5,11 @@ from an LLM), then a flush. Its sentences are synthesized as soon as the segment
 ``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is aborted and its queued audio
 purged). A pump task moves the driver's events into the realtime outbox only while that outbox has room, so a
 client that stops reading stops the engine.
+
+A response is bound to the speech session's own index of its utterance, read from the session when the response
+opens, so the two numberings cannot drift apart. Once that utterance has ended (at its audio cap, or failed), text
+still streaming in for the response is dropped rather than allowed to begin another utterance, and a response opens
+on an empty speech session: nothing of an earlier response is spoken in a later one.
 """
 
 from __future__ import annotations
@@ -65,8 +70,7 @@ class TtsBackend(Backend):
         self._sink: ResponseSink | None = None
         self._pump: asyncio.Task[None] | None = None
         self._config: SessionConfig | None = None
-        self._current: tuple[Response, int] | None = None
-        self._next_utterance = 0
+        self._current: tuple[Response, int] | None = None  # the response being spoken and its utterance's index
         self._error: tuple[str, str] | None = None
         self._engine_ms: float | None = None  # the engine's time to the first audio of the utterance, when it comes
 
@@ -84,23 +88,24 @@ class TtsBackend(Backend):
         self._configure(self._session_config(config, self._max_audio_ms))
 
     def open_speech(self, response: Response, settings: ResponseSettings) -> None:
-        self._require_driver()
+        driver = self._require_driver()
         assert self._config is not None
+        if driver.session.pending_utterances:
+            driver.submit(Cancel())  # left over from an earlier response: it must not be spoken in this one
         max_audio_ms = self._max_audio_ms
         if settings.max_output_tokens is not None:
             max_audio_ms = min(max_audio_ms, settings.max_output_tokens * MS_PER_TOKEN)
         if max_audio_ms != self._config.max_audio_ms:
             self._configure(msgspec.structs.replace(self._config, max_audio_ms=max_audio_ms))
-        self._current = (response, self._next_utterance)
-        self._next_utterance += 1
+        self._current = (response, driver.session.next_utterance)
         self._error = None
 
     def add_speech(self, response: Response, text: str) -> None:
-        if self._current is not None and self._current[0] is response:
+        if self._takes_text(response):
             self._require_driver().submit(AppendText(text))
 
     def close_speech(self, response: Response) -> None:
-        if self._current is not None and self._current[0] is response:
+        if self._takes_text(response):
             self._require_driver().submit(Flush())
 
     def cancel(self, response: Response) -> None:
@@ -130,6 +135,15 @@ class TtsBackend(Backend):
     def _first_audio(self, engine_ms: float) -> None:
         # The driver reports it as it hands over that audio: the pump's next event is the chunk it is about.
         self._engine_ms = engine_ms
+
+    def _takes_text(self, response: Response) -> bool:
+        """Whether text of ``response`` goes to the speech session: it is the response being spoken, and its
+        utterance is yet to begin or still collecting text (an utterance ended at its cap takes no more)."""
+        current = self._current
+        if current is None or current[0] is not response:
+            return False
+        session = self._require_driver().session
+        return current[1] in (session.next_utterance, session.collecting_utterance)
 
     def _require_driver(self) -> SessionDriver:
         if self._driver is None:
