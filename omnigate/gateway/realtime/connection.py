@@ -93,6 +93,8 @@ class RealtimeConnection:
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        self._event_room = asyncio.Event()
+        self._event_room.set()
         self.core = RealtimeSession(
             backend,
             limits=limits,
@@ -232,12 +234,17 @@ class RealtimeConnection:
     # ---- what the core asks for ---------------------------------------------------------------------------------
 
     def _on_output(self) -> None:
-        if len(self.core.outbox):
+        outbox = self.core.outbox
+        if len(outbox):
             self._ready.set()
-        if self.core.outbox.has_media_room:
+        if outbox.has_media_room:
             self._room.set()
         else:
             self._room.clear()
+        if outbox.has_event_room:
+            self._event_room.set()
+        else:
+            self._event_room.clear()
 
     def _on_request(self, request: SessionRequest) -> None:
         if isinstance(request, ScoreSpeech):
@@ -279,6 +286,8 @@ class RealtimeConnection:
         try:
             async with self._responder.chat.stream(request.request) as deltas:
                 async for delta in deltas:
+                    # Backpressure: the stream is read no faster than the client takes the events it makes.
+                    await self._event_room.wait()
                     self.core.chat_delta(request.response_id, delta, time.monotonic())
         except ServiceError as exc:
             self.core.chat_failed(request.response_id, exc.code, exc.message)
