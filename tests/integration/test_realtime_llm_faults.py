@@ -8,18 +8,23 @@ recognizer are the OpenAI-compatible stand-ins on real sockets, switched into th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from websockets.exceptions import ConnectionClosed
 
 from omnigate.engines.piper import PiperEngine
+from omnigate.gateway.realtime.connection import RealtimeConnection
 from omnigate.gateway.settings import ResponderSettings, Settings
 from omnigate.loadtest.openai_standins import ScriptedReply, ScriptedToolCall, StandinConfig, StandinServer
-from tests.integration.test_realtime_answer import WEATHER, errors, opened, say, utterance
-from tests.integration.test_realtime_ws import pcm_of, realtime, until
+from omnigate.sessions.realtime.outbox import OutgoingEvent
+from omnigate.sessions.realtime.session import RealtimeSession
+from tests.integration.test_realtime_answer import WEATHER, ask_in_text, errors, opened, say, utterance
+from tests.integration.test_realtime_threads import settled
+from tests.integration.test_realtime_ws import pcm_of, realtime, recv, until
 from tests.serving import RunningServer, serve
 
 pytestmark = pytest.mark.integration
@@ -29,12 +34,19 @@ SHORT_REPLY = "A short answer."
 
 @contextmanager
 def responder_server(
-    llm_url: str, asr_url: str | None = None, *, max_utterance_audio_s: float = 120.0, **responder: Any
+    llm_url: str,
+    asr_url: str | None = None,
+    *,
+    max_utterance_audio_s: float = 120.0,
+    idle_timeout_s: float = 30.0,
+    ms_per_char: float = 1.0,  # of the synthetic voice: a second of audio per 1,000 characters
+    **responder: Any,
 ) -> Iterator[RunningServer]:
     settings = Settings(
         engine="synthetic",
-        model="sample_rate=24000,ms_per_char=1",  # a second of audio per 1,000 characters
+        model=f"sample_rate=24000,ms_per_char={ms_per_char:g}",
         max_utterance_audio_s=max_utterance_audio_s,
+        idle_timeout_s=idle_timeout_s,
         responder=ResponderSettings(llm_url=llm_url, asr_url=asr_url, **responder),
     )
     with serve(settings) as server:
@@ -57,14 +69,14 @@ async def ask_with(connection: AsyncRealtimeConnection, text: str, **response: A
 async def test_a_reply_cut_at_its_audio_cap_closes_its_llm_stream_and_the_next_reply_is_its_own(
     server_cap_s: float, response: dict[str, Any]
 ) -> None:
-    # The LLM streams without end; the reply is cut at the audio its token cap (or the server's cap) allows.
+    # The LLM streams 50 MB as fast as it is read; the reply may speak 8 s (100 tokens, or the server's cap).
     async with StandinServer(StandinConfig(llm_mode="flood", flood_bytes=50 * 1024 * 1024)) as standins:
         with responder_server(standins.base_url, max_utterance_audio_s=server_cap_s) as server:
             async with realtime(server) as connection:
                 await opened(connection)
                 events = await ask_with(connection, "Talk to me.", **response)
                 done = events[-1]["response"]
-                assert done["status"] == "incomplete", done
+                assert done["status"] == "incomplete", done["status_details"]
                 assert done["status_details"]["reason"] == "max_output_tokens"
                 assert pcm_of(events)
                 # The cut reply's request is closed, not read to its end.
@@ -147,3 +159,75 @@ async def test_a_first_token_timeout_names_the_configured_limit() -> None:
     assert error["code"] == "llm_timeout"
     assert error["message"] == "the first token took longer than 0.5 s"
     assert events[-1]["response"]["status_details"]["error"]["message"] == error["message"]
+
+
+async def read_to_close(connection: AsyncRealtimeConnection) -> tuple[list[dict[str, Any]], ConnectionClosed]:
+    """Every event until the server closes, and the close."""
+    events: list[dict[str, Any]] = []
+    while True:
+        try:
+            events.append(await recv(connection))
+        except ConnectionClosed as closed:
+            return events, closed
+
+
+def _raise(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("injected fault")
+
+
+def _writer_fault(original: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
+    """``next_output`` that fails when the response is about to be announced: the writer raises."""
+
+    async def next_output(self: RealtimeConnection) -> object:
+        output = await original(self)
+        if isinstance(output, OutgoingEvent) and b'"response.created"' in output.payload:
+            raise RuntimeError("injected fault")
+        return output
+
+    return next_output
+
+
+FAULTS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    # The transcription task dies after its call: the response waiting for the transcript never hears of it.
+    "transcription": lambda patch: patch.setattr(RealtimeSession, "transcribed", _raise),
+    # The LLM task dies past its handlers (the core refuses the delta, then the failure too).
+    "llm": lambda patch: (
+        patch.setattr(RealtimeSession, "chat_delta", _raise),
+        patch.setattr(RealtimeSession, "chat_failed", _raise),
+    ),
+    # The VAD's scores cannot be taken: no turn would ever end.
+    "vad": lambda patch: patch.setattr(RealtimeSession, "speech_scored", _raise),
+    # The speech pump dies on its first audio: the response would never end.
+    "speech_pump": lambda patch: patch.setattr(RealtimeConnection, "response_audio", _raise),
+    # The writer raises; and the reader's client event raises in the core.
+    "writer": lambda patch: patch.setattr(
+        RealtimeConnection, "next_output", _writer_fault(RealtimeConnection.next_output)
+    ),
+    "reader": lambda patch: patch.setattr(RealtimeSession, "_on_response_create", _raise),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_a_session_task_that_dies_ends_the_session_typed_and_releases_it(
+    piper_engine: PiperEngine, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    speech = utterance(piper_engine, "Hello there, how are you?")
+    FAULTS[fault](monkeypatch)
+    async with StandinServer(StandinConfig(default_reply=SHORT_REPLY)) as standins:
+        # Without the guarantee the session would sit until its idle timeout: 5 s, then closed 4408.
+        with responder_server(standins.base_url, standins.base_url, idle_timeout_s=5.0) as server:
+            async with realtime(server) as connection:
+                await opened(connection)
+                if fault in ("transcription", "vad"):
+                    await say(connection, speech)
+                else:
+                    await ask_in_text(connection, "Hello?")
+                events, closed = await read_to_close(connection)
+            assert closed.rcvd is not None and closed.rcvd.code == 1011
+            assert errors(events)[-1] == "server_error"
+            await settled(server)
+            if fault == "llm":
+                assert await standins.state.wait_for({"llm_requests": 1}, timeout_s=10)
+                assert standins.state.stats.llm_requests == standins.state.stats.llm_completed + (
+                    standins.state.stats.llm_disconnects
+                )
