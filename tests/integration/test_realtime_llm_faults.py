@@ -226,8 +226,3 @@ async def test_a_session_task_that_dies_ends_the_session_typed_and_releases_it(
             assert closed.rcvd is not None and closed.rcvd.code == 1011
             assert errors(events)[-1] == "server_error"
             await settled(server)
-            if fault == "llm":
-                assert await standins.state.wait_for({"llm_requests": 1}, timeout_s=10)
-                assert standins.state.stats.llm_requests == standins.state.stats.llm_completed + (
-                    standins.state.stats.llm_disconnects
-                )
