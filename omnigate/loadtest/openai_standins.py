@@ -9,7 +9,10 @@ delay and answers scripted transcripts in order, then a default; it records the 
 
 Failure modes, per service and switchable while serving (``POST /_standin/mode {"llm": "hang"}``):
 ``error`` (HTTP 500 with an OpenAI error body), ``garbage`` (HTTP 200 with an HTML page), ``hang`` (no answer until
-the client gives up), ``drop`` (the connection closes mid-body). ``POST /_standin/config`` changes delays and
+the client gives up), ``drop`` (the connection closes mid-body); for the LLM also ``burst`` (the whole reply, one
+small chunk per token or per few argument characters, in a single write: a client reads thousands of events at
+once) and ``flood`` (an endless reply, ``flood_bytes`` of it, in large writes, for as long as the client reads it).
+``POST /_standin/config`` changes delays and
 scripts, ``GET /_standin/stats`` reports what the stand-ins saw (requests, the clients' disconnects, audio seconds,
 the last chat request), and ``POST /_standin/wait {"llm_disconnects": 1}`` answers once the counts reach the
 given values. Run one with ``omnigate-loadtest standins --port 8090``, or in a test with :class:`StandinServer`.
@@ -38,7 +41,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-Mode = Literal["ok", "error", "garbage", "hang", "drop"]
+Mode = Literal["ok", "error", "garbage", "hang", "drop", "burst", "flood"]
+MODES: tuple[Mode, ...] = ("ok", "error", "garbage", "hang", "drop", "burst", "flood")
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -47,6 +51,8 @@ Send = Callable[[Message], Awaitable[None]]
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _TOKEN = re.compile(r"\s*\S+")
 _GARBAGE = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n"
+_FLOOD_SENTENCE = "This reply never ends, and every clause of it can be spoken. "
+_FLOOD_WRITE_BYTES = 64 * 1024
 
 
 class ScriptedToolCall(msgspec.Struct, frozen=True):
@@ -74,6 +80,8 @@ class StandinConfig(msgspec.Struct, kw_only=True):
     llm_mode: Mode = "ok"
     asr_mode: Mode = "ok"
     drop_after_tokens: int = 3  # ``drop``: tokens sent before the connection closes
+    argument_piece_chars: int = 8  # a tool call's arguments are streamed in pieces of this many characters
+    flood_bytes: int = 64 * 1024 * 1024  # ``flood``: the size of the endless reply's body before it does end
 
 
 class StandinStats(msgspec.Struct, kw_only=True):
@@ -258,15 +266,24 @@ class ChatCompletions(_Service):
         usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
         model = str(body.get("model") or "standin-llm")
         pieces = self._pieces(reply)
+        if stream:
+            await _start(send, 200, b"text/event-stream")  # the headers at once, as inference servers send them
         if config.llm_first_token_ms > 0:
             await asyncio.sleep(config.llm_first_token_ms / 1000.0)
         if not stream:
             await self._whole(send, model, reply, pieces, body)
             return True
-        await _start(send, 200, b"text/event-stream")
+        if config.llm_mode == "flood":
+            await self._flood(send, model, started, config.flood_bytes)
+            return True
+        paced = pieces
+        if config.llm_mode == "burst":
+            burst = b"".join(_sse(self._chunk(model, started, delta, None)) for delta in pieces)
+            await send({"type": "http.response.body", "body": burst, "more_body": True})
+            paced = []
         interval = 1.0 / config.llm_tokens_per_s if config.llm_tokens_per_s > 0 else 0.0
         first_at = time.monotonic()
-        for index, delta in enumerate(pieces):
+        for index, delta in enumerate(paced):
             if config.llm_mode == "drop" and index == config.drop_after_tokens:
                 return False  # the response is left incomplete: the server closes the connection mid-body
             due = first_at + index * interval
@@ -302,9 +319,24 @@ class ChatCompletions(_Service):
             "function": {"name": call.name, "arguments": ""},
         }
         pieces: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": [head]}]
-        for start in range(0, len(arguments), 8):
-            pieces.append({"tool_calls": [{"index": 0, "function": {"arguments": arguments[start : start + 8]}}]})
+        step = max(1, self.state.config.argument_piece_chars)
+        for start in range(0, len(arguments), step):
+            pieces.append({"tool_calls": [{"index": 0, "function": {"arguments": arguments[start : start + step]}}]})
         return pieces
+
+    async def _flood(self, send: Send, model: str, started: float, total_bytes: int) -> None:
+        """An endless reply in large writes (each many small chunks); it ends after ``total_bytes``."""
+        tokens = _TOKEN.findall(_FLOOD_SENTENCE)
+        write = b"".join(_sse(self._chunk(model, started, {"content": token}, None)) for token in tokens)
+        write *= max(1, _FLOOD_WRITE_BYTES // len(write))
+        sent = 0
+        while sent < total_bytes:
+            await send({"type": "http.response.body", "body": write, "more_body": True})
+            sent += len(write)
+            # A send to a client that went away returns at once: let the disconnect be seen.
+            await asyncio.sleep(0)
+        await self._event(send, self._chunk(model, started, {}, "length"))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     @staticmethod
     def _chunk(model: str, started: float, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
@@ -318,9 +350,7 @@ class ChatCompletions(_Service):
 
     @staticmethod
     async def _event(send: Send, value: object) -> None:
-        await send(
-            {"type": "http.response.body", "body": b"data: " + msgspec.json.encode(value) + b"\n\n", "more_body": True}
-        )
+        await send({"type": "http.response.body", "body": _sse(value), "more_body": True})
 
     async def _whole(
         self, send: Send, model: str, reply: ScriptedReply, pieces: list[dict[str, Any]], body: dict[str, Any]
@@ -342,6 +372,10 @@ class ChatCompletions(_Service):
                 "usage": _usage(body, len(pieces)),
             },
         )
+
+
+def _sse(value: object) -> bytes:
+    return b"data: " + msgspec.json.encode(value) + b"\n\n"
 
 
 def _usage(body: dict[str, Any], completion_tokens: int) -> dict[str, int]:
@@ -523,8 +557,8 @@ def standins_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transcript", action="append", default=[], help="a scripted transcript (repeatable)")
     parser.add_argument("--default-transcript", default=StandinConfig().default_transcript)
     parser.add_argument("--default-reply", help="the reply once the script is spent (default: generated)")
-    parser.add_argument("--llm-mode", default="ok", choices=["ok", "error", "garbage", "hang", "drop"])
-    parser.add_argument("--asr-mode", default="ok", choices=["ok", "error", "garbage", "hang", "drop"])
+    parser.add_argument("--llm-mode", default="ok", choices=MODES)
+    parser.add_argument("--asr-mode", default="ok", choices=[mode for mode in MODES if mode not in ("burst", "flood")])
     return parser
 
 

@@ -181,6 +181,16 @@ class SpeechSession:
     def pending_utterances(self) -> int:
         return len(self._queue)
 
+    @property
+    def collecting_utterance(self) -> int | None:
+        """The utterance that appended text goes to; None: the next append begins a new utterance."""
+        return self._collecting.index if self._collecting is not None else None
+
+    @property
+    def next_utterance(self) -> int:
+        """The index the next utterance to begin will have (indices only grow)."""
+        return self._next_utterance
+
     def next_deadline_ms(self) -> float | None:
         if self.closed:
             return None

@@ -4,13 +4,14 @@ every failure typed with its code, and cancellation closing the HTTP stream (the
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from omnigate.engines.openai_compat.chat import ChatClient
+from omnigate.engines.openai_compat.chat import ChatClient, coalesce
 from omnigate.engines.openai_compat.errors import ServiceError
 from omnigate.engines.openai_compat.http_calls import ServiceTimeouts, http_client
 from omnigate.engines.openai_compat.messages import (
@@ -24,7 +25,7 @@ from omnigate.engines.openai_compat.messages import (
     ToolCallDelta,
 )
 from omnigate.engines.openai_compat.transcription import TranscriptionClient
-from omnigate.loadtest.openai_standins import ScriptedReply, StandinConfig, StandinServer
+from omnigate.loadtest.openai_standins import ScriptedReply, ScriptedToolCall, StandinConfig, StandinServer
 
 SHORT = ServiceTimeouts(connect_s=2.0, first_byte_s=0.3, idle_s=0.3, total_s=5.0)
 HELLO = ChatRequest(messages=[ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there")], model="m")
@@ -221,3 +222,37 @@ async def test_a_turn_longer_than_the_bound_sends_its_newest_audio(
     asr = TranscriptionClient(http, standins.base_url, timeouts=SHORT, max_audio_s=1.0)
     await asr.transcribe(bytes(2 * 24_000 * 3), 24_000)
     assert standins.state.stats.asr_audio_s == [1.0]
+
+
+def test_coalesce_merges_runs_of_text_and_of_one_call_s_argument_pieces() -> None:
+    deltas: list[TextDelta | ToolCallDelta] = [
+        TextDelta("Hel"),
+        TextDelta("lo"),
+        ToolCallDelta(0, "c1", "get_weather", ""),
+        ToolCallDelta(0, None, None, '{"ci'),
+        ToolCallDelta(0, None, None, 'ty": 1}'),
+        ToolCallDelta(1, "c2", "hang_up", "{"),  # another call: a new delta
+        ToolCallDelta(1, None, None, "}"),
+        TextDelta("!"),
+    ]
+    assert coalesce(deltas) == [
+        TextDelta("Hello"),
+        ToolCallDelta(0, "c1", "get_weather", '{"city": 1}'),
+        ToolCallDelta(1, "c2", "hang_up", "{}"),
+        TextDelta("!"),
+    ]
+    assert coalesce([]) == []
+
+
+async def test_a_burst_of_tiny_chunks_in_one_write_comes_as_few_deltas(
+    standins: StandinServer, http: httpx.AsyncClient
+) -> None:
+    arguments = {"notes": "n" * 24_000}  # 3,000 pieces of 8 characters, written at once
+    standins.state.config.llm_mode = "burst"
+    standins.state.config.replies = [ScriptedReply(tool_call=ScriptedToolCall("get_weather", arguments))]
+    chat = ChatClient(http, standins.base_url, timeouts=SHORT)
+    deltas = await collect(chat)
+    pieces = [d for d in deltas if isinstance(d, ToolCallDelta)]
+    assert json.loads("".join(p.arguments for p in pieces)) == arguments
+    assert len(pieces) < 300  # one per network read, not one per chunk
+    assert isinstance(deltas[-1], ChatFinish) and deltas[-1].finish_reason == "tool_calls"

@@ -256,7 +256,11 @@ def test_a_failing_transcription_fails_the_waiting_response_and_says_which_item(
     failed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.failed")
     assert failed["item_id"] == transcribe.item_id
     assert failed["error"]["code"] == "asr_unavailable"
+    # One error event and one failure for the metrics, not one for the turn and one more for the response.
+    assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["asr_unavailable"]
+    assert [r.code for r in h.requests if isinstance(r, ServiceFailed)] == ["asr_unavailable"]
     assert events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["status_details"]["error"]["code"] == "asr_unavailable"
     assert not any(isinstance(request, StartChat) for request in h.requests)
     assert h.session.idle
 

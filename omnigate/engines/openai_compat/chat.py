@@ -8,6 +8,9 @@ Usage::
 
 Leaving the ``async with`` (a barge-in cancelling the task, an error, a break) closes the HTTP response at once,
 so the server sees the disconnect and stops generating.
+
+The deltas of one network read are coalesced (:func:`coalesce`): a server that writes thousands of tiny chunks at
+once costs the reader a few deltas, not thousands; nothing waits for more to arrive, so no delta comes later.
 """
 
 from __future__ import annotations
@@ -131,10 +134,11 @@ class ChatClient:
             usage: Usage | None = None
             events = 0
             while True:
-                wait_s = t.first_byte_s - deadline.elapsed() if first else t.idle_s
-                chunk = await next_chunk(
-                    chunks, deadline, max(wait_s, 0.0), "the first token" if first else "the next chunk"
-                )
+                if first:  # the first-token limit runs from the request: what is left of it
+                    wait_s, limit_s, what = t.first_byte_s - deadline.elapsed(), t.first_byte_s, "the first token"
+                else:
+                    wait_s, limit_s, what = t.idle_s, t.idle_s, "the next chunk"
+                chunk = await next_chunk(chunks, deadline, max(wait_s, 0.0), what, limit_s)
                 if chunk is not None:
                     received += len(chunk)
                     if received > self.max_response_bytes:
@@ -143,17 +147,24 @@ class ChatClient:
                         )
                 payloads = _events(parser, chunk)
                 events += len(payloads)
+                read: list[TextDelta | ToolCallDelta] = []
+                done = False
                 for payload in payloads:
                     if payload == DONE:
-                        yield ChatFinish(finish_reason, usage)
-                        return
+                        done = True
+                        break
                     decoded = _decode(payload)
                     usage = decoded.usage or usage
                     for delta, reason in _deltas_of(decoded):
                         if delta is not None:
                             first = False
-                            yield delta
+                            read.append(delta)
                         finish_reason = reason or finish_reason
+                for delta in coalesce(read):
+                    yield delta
+                if done:
+                    yield ChatFinish(finish_reason, usage)
+                    return
                 if chunk is None:
                     if events == 0:
                         kind = response.headers.get("content-type", "none")
@@ -167,6 +178,42 @@ class ChatClient:
                     return
         finally:
             await response.aclose()
+
+
+def coalesce(deltas: list[TextDelta | ToolCallDelta]) -> list[TextDelta | ToolCallDelta]:
+    """``deltas`` with each run of adjacent pieces merged: text into one text delta, and the argument pieces that
+    continue one tool call (no id, no name) into the piece before them. The stream's content is unchanged; only
+    its split into deltas is, which the protocol leaves to the server."""
+    out: list[TextDelta | ToolCallDelta] = []
+    run: list[str] = []  # the text or arguments of out[-1] still to be joined
+
+    def close_run() -> None:
+        if len(run) > 1:
+            last = out[-1]
+            joined = "".join(run)
+            out[-1] = (
+                TextDelta(joined) if isinstance(last, TextDelta) else msgspec.structs.replace(last, arguments=joined)
+            )
+        run.clear()
+
+    for delta in deltas:
+        last = out[-1] if out else None
+        if isinstance(delta, TextDelta) and isinstance(last, TextDelta):
+            run.append(delta.text)
+        elif (
+            isinstance(delta, ToolCallDelta)
+            and isinstance(last, ToolCallDelta)
+            and delta.index == last.index
+            and delta.id is None
+            and not delta.name
+        ):
+            run.append(delta.arguments)
+        else:
+            close_run()
+            out.append(delta)
+            run.append(delta.text if isinstance(delta, TextDelta) else delta.arguments)
+    close_run()
+    return out
 
 
 def _events(parser: SseParser, chunk: bytes | None) -> list[str]:

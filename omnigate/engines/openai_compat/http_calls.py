@@ -110,13 +110,16 @@ async def send(
         raise ServiceError(service, "unavailable", f"request to {request.url} failed: {exc}") from exc
 
 
-async def next_chunk(chunks: AsyncIterator[bytes], deadline: Deadline, wait_s: float, what: str) -> bytes | None:
-    """The next piece of a streamed body, None at its end."""
+async def next_chunk(
+    chunks: AsyncIterator[bytes], deadline: Deadline, wait_s: float, what: str, limit_s: float | None = None
+) -> bytes | None:
+    """The next piece of a streamed body, None at its end. ``limit_s``: the configured limit a timeout names, when
+    the wait is only what is left of it (default ``wait_s``)."""
     try:
         async with asyncio.timeout(deadline.within(wait_s)):
             return await anext(chunks, None)
     except TimeoutError:
-        raise deadline.timeout(wait_s, what) from None
+        raise deadline.timeout(wait_s if limit_s is None else limit_s, what) from None
     except httpx.HTTPError as exc:
         raise ServiceError(
             deadline.service, "bad_response", f"the connection closed before the response was complete: {exc}"

@@ -68,6 +68,10 @@ class Backend(abc.ABC):
     sample_rate: int
     admits_async = False  # True when reserve() may wait for the engine (a transport then binds asynchronously)
 
+    async def text_room(self) -> None:
+        """Until the engine can take more of a response's text (:meth:`add_speech`); by default at once."""
+        return
+
     async def reserve(self) -> None:
         """Take the engine capacity the session needs, before it is announced. Raises SessionRefused. By default
         nothing: the engine admits in :meth:`start`."""

@@ -10,6 +10,10 @@ JSON, binds and releases the backend (which reports back here, as its :class:`Re
 the core queues output, runs the core's idle and duration deadlines on the loop, scores speech on the shared VAD
 executor, and runs the transcription and LLM calls the core asks for as tasks it owns (one LLM request at a time;
 all of them cancelled when the session ends, which closes their HTTP streams).
+
+No session waits on work that died: a service's failure ends its response typed and the session goes on, while a
+failure of the server's own work (a task that raised past its handlers, a VAD result or a deadline the core could
+not take) ends the session with a typed ``server_error``, and the transport then releases everything.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class RealtimeConnection:
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        self._event_room = asyncio.Event()
+        self._event_room.set()
         self.core = RealtimeSession(
             backend,
             limits=limits,
@@ -232,18 +238,27 @@ class RealtimeConnection:
     # ---- what the core asks for ---------------------------------------------------------------------------------
 
     def _on_output(self) -> None:
-        if len(self.core.outbox):
+        outbox = self.core.outbox
+        if len(outbox):
             self._ready.set()
-        if self.core.outbox.has_media_room:
+        if outbox.has_media_room:
             self._room.set()
         else:
             self._room.clear()
+        if outbox.has_event_room:
+            self._event_room.set()
+        else:
+            self._event_room.clear()
 
     def _on_request(self, request: SessionRequest) -> None:
         if isinstance(request, ScoreSpeech):
             if self._vad is None:
                 self._vad = SpeechProbability(ENGINE_RATE)
-            future = self._vad_executor.submit(self._vad.process, request.pcm)
+            try:
+                future = self._vad_executor.submit(self._vad.process, request.pcm)
+            except RuntimeError:  # the executor is shut down: the server is stopping
+                self.fail("server_error", "voice activity detection is not available")
+                return
             future.add_done_callback(self._vad_finished)
         elif isinstance(request, StartChat):
             running = [task for task in self._chats.values() if not task.done()]
@@ -265,12 +280,20 @@ class RealtimeConnection:
             work.close()
             return
         task = self._loop.create_task(work, name=name)
+        task.add_done_callback(self._task_ended)
         if chat_of is None:
             self._transcriptions.add(task)
             task.add_done_callback(self._transcriptions.discard)
         else:
             self._chats[chat_of] = task
             task.add_done_callback(lambda _: self._chats.pop(chat_of, None))
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """A task that raised past its own handlers leaves the core waiting for an answer that will not come."""
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        log.error("realtime task %s failed", task.get_name(), exc_info=error)
+        self.fail("server_error", "work of this session failed in the server")
 
     async def _chat(self, request: StartChat, earlier: list[asyncio.Task[None]]) -> None:
         assert self._responder is not None
@@ -279,6 +302,10 @@ class RealtimeConnection:
         try:
             async with self._responder.chat.stream(request.request) as deltas:
                 async for delta in deltas:
+                    # Backpressure: the stream is read no faster than the client takes the events it makes and
+                    # the engine speaks its text.
+                    await self._event_room.wait()
+                    await self.backend.text_room()
                     self.core.chat_delta(request.response_id, delta, time.monotonic())
         except ServiceError as exc:
             self.core.chat_failed(request.response_id, exc.code, exc.message)
@@ -311,11 +338,22 @@ class RealtimeConnection:
             log.exception("voice activity detection failed")
             self.core.scoring_failed()
             return
-        self.core.speech_scored(probabilities, time.monotonic())
+        try:
+            self.core.speech_scored(probabilities, time.monotonic())
+        except Exception:
+            # The detector's state is unknown now: no turn could be trusted to end.
+            log.exception("a realtime session could not take its speech scores")
+            self.fail("server_error", "voice activity detection failed in the server")
 
     def _arm_timer(self, deadline: float | None) -> None:
         if deadline is not None and not self._released:
             self._timer = self._loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
 
     def _on_timer(self) -> None:
-        self._arm_timer(self.core.expire(time.monotonic()))
+        try:
+            deadline = self.core.expire(time.monotonic())
+        except Exception:
+            log.exception("a realtime session's deadline check failed")
+            self.fail("server_error", "the session's deadlines failed in the server")
+            return
+        self._arm_timer(deadline)

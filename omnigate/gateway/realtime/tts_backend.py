@@ -5,6 +5,13 @@ from an LLM), then a flush. Its sentences are synthesized as soon as the segment
 ``response.cancel`` maps to the session's ``Cancel`` (epoch fence: the engine stream is aborted and its queued audio
 purged). A pump task moves the driver's events into the realtime outbox only while that outbox has room, so a
 client that stops reading stops the engine.
+
+A response is bound to the speech session's own index of its utterance, read from the session when the response
+opens, so the two numberings cannot drift apart. Once that utterance has ended (at its audio cap, or failed), text
+still streaming in for the response is dropped rather than allowed to begin another utterance, and a response opens
+on an empty speech session: nothing of an earlier response is spoken in a later one. The text a response has
+given the speech session and the engine has not begun to speak is bounded (:meth:`TtsBackend.text_room`): an LLM
+that writes faster than the reply is heard is read no faster than it is spoken.
 """
 
 from __future__ import annotations
@@ -65,8 +72,13 @@ class TtsBackend(Backend):
         self._sink: ResponseSink | None = None
         self._pump: asyncio.Task[None] | None = None
         self._config: SessionConfig | None = None
-        self._current: tuple[Response, int] | None = None
-        self._next_utterance = 0
+        self._current: tuple[Response, int] | None = None  # the response being spoken and its utterance's index
+        # Non-space characters of the current response's text the engine has not begun to speak, and their bound
+        # (well above what the segmenter holds back, so the engine always has a unit to begin).
+        self._unspoken = 0
+        self._max_unspoken = 16 * segmenter.max_chars
+        self._text_room = asyncio.Event()
+        self._text_room.set()
         self._error: tuple[str, str] | None = None
         self._engine_ms: float | None = None  # the engine's time to the first audio of the utterance, when it comes
 
@@ -79,33 +91,42 @@ class TtsBackend(Backend):
             self._driver.release()
             raise SessionRefused(exc.code, exc.message) from None
         self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="realtime-tts-pump")
+        self._pump.add_done_callback(self._pump_ended)
 
     def reconfigure(self, config: RealtimeConfig) -> None:
         self._configure(self._session_config(config, self._max_audio_ms))
 
     def open_speech(self, response: Response, settings: ResponseSettings) -> None:
-        self._require_driver()
+        driver = self._require_driver()
         assert self._config is not None
+        if driver.session.pending_utterances:
+            driver.submit(Cancel())  # left over from an earlier response: it must not be spoken in this one
         max_audio_ms = self._max_audio_ms
         if settings.max_output_tokens is not None:
             max_audio_ms = min(max_audio_ms, settings.max_output_tokens * MS_PER_TOKEN)
         if max_audio_ms != self._config.max_audio_ms:
             self._configure(msgspec.structs.replace(self._config, max_audio_ms=max_audio_ms))
-        self._current = (response, self._next_utterance)
-        self._next_utterance += 1
+        self._current = (response, driver.session.next_utterance)
         self._error = None
+        self._count_unspoken(-self._unspoken)
 
     def add_speech(self, response: Response, text: str) -> None:
-        if self._current is not None and self._current[0] is response:
+        if self._takes_text(response):
+            self._count_unspoken(_speakable(text))
             self._require_driver().submit(AppendText(text))
 
+    async def text_room(self) -> None:
+        """Until the engine has begun to speak enough of the text it was given to take more."""
+        await self._text_room.wait()
+
     def close_speech(self, response: Response) -> None:
-        if self._current is not None and self._current[0] is response:
+        if self._takes_text(response):
             self._require_driver().submit(Flush())
 
     def cancel(self, response: Response) -> None:
         if self._current is not None and self._current[0] is response and self._driver is not None:
             self._current = None
+            self._count_unspoken(-self._unspoken)
             self._driver.submit(Cancel())
 
     def push_audio(self, pcm: bytes) -> bool:
@@ -127,9 +148,33 @@ class TtsBackend(Backend):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
+    def _pump_ended(self, pump: asyncio.Task[None]) -> None:
+        # Without its pump a session's responses would never end: a pump that died ends the session, typed.
+        if pump.cancelled() or (error := pump.exception()) is None:
+            return
+        log.error("a realtime speech pump failed", exc_info=error)
+        if self._sink is not None:
+            self._sink.fail("server_error", "speech synthesis failed in the server")
+
     def _first_audio(self, engine_ms: float) -> None:
         # The driver reports it as it hands over that audio: the pump's next event is the chunk it is about.
         self._engine_ms = engine_ms
+
+    def _count_unspoken(self, chars: int) -> None:
+        self._unspoken = max(0, self._unspoken + chars)
+        if self._unspoken <= self._max_unspoken:
+            self._text_room.set()
+        else:
+            self._text_room.clear()
+
+    def _takes_text(self, response: Response) -> bool:
+        """Whether text of ``response`` goes to the speech session: it is the response being spoken, and its
+        utterance is yet to begin or still collecting text (an utterance ended at its cap takes no more)."""
+        current = self._current
+        if current is None or current[0] is not response:
+            return False
+        session = self._require_driver().session
+        return current[1] in (session.next_utterance, session.collecting_utterance)
 
     def _require_driver(self) -> SessionDriver:
         if self._driver is None:
@@ -182,11 +227,18 @@ class TtsBackend(Backend):
             if isinstance(event, MediaChunk):
                 sink.response_audio(response, event.pcm, event.sample_rate, engine_ms)
             elif isinstance(event, SegmentStarted):
+                self._count_unspoken(-_speakable(event.text))
                 sink.response_text(response, event.text, len(event.text.split()))
             elif isinstance(event, UtteranceDone):
                 self._current = None
+                self._count_unspoken(-self._unspoken)
                 status, reason = _STATUS.get(event.status, ("failed", None))
                 error = None
                 if status == "failed":
                     error = self._error or ("generation_failed", event.error or "speech synthesis failed")
                 sink.finish_response(response, status, reason, error)
+
+
+def _speakable(text: str) -> int:
+    """Characters of ``text`` that are not white space: what the segmenter and the engine keep of it."""
+    return sum(1 for ch in text if not ch.isspace())

@@ -2,7 +2,9 @@
 
 The adapter only moves messages: a reader task hands each text frame to the connection core, a writer task sends
 what the core produces (audio travels as ``response.output_audio.delta`` events). A disconnect is seen by the
-reader at once; a client that accepts nothing for the stall timeout is dropped, which stops its engine work.
+reader at once; a client that accepts nothing for the stall timeout is dropped, which stops its engine work. A
+failure of the server's own (a client event the core could not take, a writer that raised) ends the session with a
+typed ``server_error`` and close 1011, never a silent drop.
 """
 
 from __future__ import annotations
@@ -136,12 +138,34 @@ class WsRealtimeTransport:
             if text is None:
                 self.connection.protocol_error("invalid_message", "binary frames are not accepted; send JSON text")
                 continue
-            self.connection.receive_text(text)
+            try:
+                self.connection.receive_text(text)
+            except Exception:
+                log.exception("a realtime session could not take a client event")
+                self.connection.fail("server_error", "the server failed handling a client event")
             if self.connection.closed:
                 # Fatal: the writer sends the error and closes; keep reading until then to see a disconnect.
                 continue
 
     async def _write(self) -> None:
+        try:
+            await self._write_outputs()
+        except Exception:
+            log.exception("a realtime writer failed")
+            self.connection.disconnect()
+            await self._fail_now("server_error", "the server failed sending this session's events")
+
+    async def _fail_now(self, code: str, message: str) -> None:
+        """Send a typed error and close 1011 directly: the writer that would have sent them is gone."""
+        if self.disconnected:
+            return
+        error = ErrorEvent(
+            event_id="event_server_error", error=WireError(type="server_error", code=code, message=message)
+        )
+        if await self._send(encode_event(error).decode()):
+            await self._close(Closing(code, code, 1011))
+
+    async def _write_outputs(self) -> None:
         while True:
             output = await self.connection.next_output()
             if isinstance(output, OutgoingEvent):

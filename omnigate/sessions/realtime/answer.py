@@ -209,7 +209,7 @@ class Answering:
         self._transcription_error(item_id, code, message)
         answer = self.answer
         if answer is not None and answer.waiting:
-            self._fail(answer, code, message)
+            self._fail(answer, code, message, reported=True)  # the error went out once, with the transcription
 
     def _transcription_error(self, item_id: str, code: str, message: str) -> None:
         self.host.emit(
@@ -371,9 +371,11 @@ class Answering:
         else:
             self.host.finish_response(response, "completed")
 
-    def _fail(self, answer: Answer, code: str, message: str) -> None:
-        self.host.server_error(code, message)
-        self.request(ServiceFailed(code))
+    def _fail(self, answer: Answer, code: str, message: str, *, reported: bool = False) -> None:
+        """End ``answer``'s response failed with ``code``; unless ``reported`` already, an ``error`` says so."""
+        if not reported:
+            self.host.server_error(code, message)
+            self.request(ServiceFailed(code))
         self._keep_heard(answer.response)  # its queued audio is dropped with it
         self.host.fail_response(answer.response, code, message)
 

@@ -72,6 +72,13 @@ class RealtimeOutbox:
     def has_media_room(self) -> bool:
         return self.media_ms < self.max_media_ms
 
+    @property
+    def has_event_room(self) -> bool:
+        """Fewer events queued than half of what a producer may queue: a producer of many small events (an LLM
+        reply's deltas) waits for this before it reads more, so a burst is paced by the client's reading rather
+        than overflowing the bound."""
+        return len(self._items) < (self.max_events - self.reserve) // 2
+
     def push(self, output: RealtimeOutput, *, terminal: bool = False) -> None:
         """Queue ``output``; ``terminal`` outputs (ends of responses and of the session) may use the reserve."""
         limit = self.max_events if terminal else self.max_events - self.reserve
