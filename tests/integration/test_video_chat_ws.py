@@ -232,16 +232,23 @@ async def test_picture_bombs_are_refused_typed_and_the_session_goes_on(chat_serv
 
 
 async def test_a_frame_decoder_that_dies_ends_its_session_typed_and_releases_it(
-    chat_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+    chat_server: RunningServer,
+    monkeypatch: pytest.MonkeyPatch,
+    gated_decoding: tuple[threading.Event, list[str]],
 ) -> None:
     def broken(self: VideoChatSession, frame: DecodedFrame) -> list[Action]:
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(VideoChatSession, "on_frame", broken)
+    gate, _ = gated_decoding
     async with connect(chat_server.ws_url + ROUTE) as ws:
         await send(ws, "session.config", modalities=["text"])
         await send(ws, "video.frame", data=jpeg(22))
         await send(ws, "video.query", text="Anything?")
+        # The pong says the question waits for the frame; only then does the frame's decoding end (and the decoder die).
+        await send(ws, "ping")
+        assert (await receive(ws))["type"] == "pong"
+        gate.set()
         events = [await receive(ws) for _ in range(3)]
         await ws.wait_closed()
     assert events[:2] == [

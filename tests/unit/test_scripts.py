@@ -19,7 +19,7 @@ STAND_IN = '#!/bin/sh\necho "{name} $*${{OMNIGATE_NO_SYSTEM_PACKAGES:+ no-system
 
 
 # What the scripts run besides the environment's commands; the test's PATH holds only these (and the stand-ins).
-SYSTEM_TOOLS = ("bash", "cat", "cut", "dirname", "sha256sum")
+SYSTEM_TOOLS = ("bash", "cat", "cut", "dirname", "rm", "sha256sum")
 
 
 def stand_in(directory: Path, name: str) -> None:
@@ -105,6 +105,7 @@ def test_test_says_what_it_installs_and_installs_it_once(checkout: Checkout) -> 
     extras = f"torch==2.13.0 -e {checkout.root}[piper,models,loadtest,ray,livekit,pipecat,dev]"
     assert [call for call in calls if not call.startswith(("ruff", "mypy"))] == [
         f"python -m pip install --quiet --disable-pip-version-check {extras}",
+        "python -c import omnigate.gateway.app, omnigate.gateway.cli",  # the install is recorded once it imports
         "apt-get update -qq",
         "apt-get install -y -qq chromium haproxy",  # npm is there: the stand-in
         "npm install --prefix tests/browser --no-audit --no-fund --no-package-lock --silent",
