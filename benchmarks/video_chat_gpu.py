@@ -223,16 +223,16 @@ def encoder_cost(engine: Any, frames: int) -> dict[str, float]:
     ]
     cache = EncoderCache(capacity=frames)
     request = type("R", (), {"frames": tuple(inputs), "cache": cache})()
-    engine._frame_tokens(request)  # warm-up (kernels, allocator)
+    engine._frame_tokens([request])  # warm-up (kernels, allocator)
     cache = EncoderCache(capacity=frames)
     request.cache = cache
     sync = _sync(model)
     started = time.perf_counter()
-    engine._frame_tokens(request)
+    engine._frame_tokens([request])
     sync()
     fresh = (time.perf_counter() - started) / frames
     started = time.perf_counter()
-    engine._frame_tokens(request)
+    engine._frame_tokens([request])
     sync()
     reused = (time.perf_counter() - started) / frames
     return {
@@ -317,6 +317,11 @@ def main() -> None:
         for sessions in levels:
             tokens, steps, rows = engine.tokens_total, engine.steps, engine.decode_rows_total
             prefill_tokens, started = engine.prefill_tokens_total, time.perf_counter()
+            forwards, prompts, padded = (
+                engine.stats.prefill_forwards,
+                engine.stats.prefilled_prompts,
+                engine.stats.padded_steps,
+            )
             result = asyncio.run(level(server.ws_url, sessions, frames, args))
             wall = time.perf_counter() - started
             # One decode step advances every answer in flight by a token: the token rate is shared by them all.
@@ -326,6 +331,12 @@ def main() -> None:
             result["omni_steps_per_s"] = round(result["omni_steps"] / wall, 1)
             result["omni_answers_per_step"] = round((engine.decode_rows_total - rows) / max(1, result["omni_steps"]), 2)
             result["omni_prefill_tokens"] = engine.prefill_tokens_total - prefill_tokens
+            # Several questions' prompts share one prefill forward; padded steps replay a captured graph on CUDA.
+            result["omni_prefill_forwards"] = engine.stats.prefill_forwards - forwards
+            result["omni_prompts_per_prefill"] = round(
+                (engine.stats.prefilled_prompts - prompts) / max(1, result["omni_prefill_forwards"]), 2
+            )
+            result["omni_padded_steps"] = engine.stats.padded_steps - padded
             result["level_wall_s"] = round(wall, 1)
             print(json.dumps(result), flush=True)
             report["levels"].append(result)

@@ -147,6 +147,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         try:
             app.state.video_engine = await start_video_engine(settings)
             app.state.omni_engine = await start_omni_engine(settings)
+            gateway.omni_stats = app.state.omni_engine.stats if app.state.omni_engine is not None else None
             reports = ResponderReports(
                 metrics.observe_responder_turn, lambda code: metrics.responder_failures.labels(code).inc()
             )
@@ -163,6 +164,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             await webrtc.close_all()
             gateway.pool = None
             gateway.duplex_stats = None
+            gateway.omni_stats = None
             await stop_pool()
             await stop_video_engine(app.state.video_engine)
             await stop_robot(gateway)

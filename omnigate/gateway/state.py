@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omnigate.engines.duplex.stats import ClockStats
+from omnigate.engines.omni.stats import ThinkerStats
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.settings import Settings
 from omnigate.sessions.registry import SessionRegistry
@@ -27,6 +28,7 @@ class Gateway:
     robot_pool: PolicyPool | None = None  # the robot policy scheduler, when --robot-model names a policy
     robot_decoder: ObservationDecoder | None = None  # the robot route's observation-decoding threads, beside it
     duplex_stats: ClockStats | None = None  # the duplex engine's tick clock, when one serves /v1/realtime
+    omni_stats: ThinkerStats | None = None  # the omni thinker's worker loop, when one serves video chat
 
     @property
     def ready(self) -> bool:

@@ -336,3 +336,25 @@ async def test_live_video_chat_sessions_are_counted_in_the_metrics(chat_server: 
             metrics = (await client.get("/metrics")).text
     assert 'omnigate_sessions_active{transport="video-chat"} 1.0' in metrics
     assert 'omnigate_sessions_active{transport="webrtc-video-chat"} 0.0' in metrics
+
+
+async def test_the_thinkers_worker_loop_is_in_the_metrics(chat_server: RunningServer) -> None:
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", num_frames=1, max_new_tokens=8)
+        await send(ws, "video.frame", data=jpeg(40))
+        await send(ws, "video.query", text="What is it?")
+        await until_terminal(ws, 0, "response.text.done")
+        async with httpx.AsyncClient(base_url=chat_server.http_url) as client:
+            metrics = (await client.get("/metrics")).text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("omnigate_omni_") and " " in line
+    }
+    engine = omni(chat_server)
+    assert values["omnigate_omni_steps_total"] >= 1
+    assert values["omnigate_omni_prefilled_prompts_total"] >= 1
+    assert values["omnigate_omni_prefill_tokens_total"] == engine.prefill_tokens_total
+    assert values["omnigate_omni_decode_rows_total"] == engine.decode_rows_total
+    for gauge in ("steps_per_second", "rows_per_step", "prefill_tokens_per_step"):
+        assert f"omnigate_omni_{gauge}" in values

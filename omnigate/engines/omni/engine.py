@@ -29,6 +29,7 @@ import torch
 from omnigate.engines.base import EngineError
 from omnigate.engines.omni.model import DEFAULT_MAX_CONTEXT, OmniModel, load_omni_model
 from omnigate.engines.omni.request import (
+    AUDIO_RATE,
     CONTEXT_LENGTH_EXCEEDED,
     OmniInfo,
     TextDelta,
@@ -39,13 +40,15 @@ from omnigate.engines.omni.request import (
     ThinkStop,
 )
 from omnigate.engines.omni.sampling import sample_rows
+from omnigate.engines.omni.stats import ThinkerStats
 from omnigate.engines.omni.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens one worker loop prefills before its decode step (at least one query's): a burst of questions
-# (each with frames to encode) is admitted over several steps, so the answers in flight keep streaming meanwhile.
-PREFILL_TOKENS_PER_STEP = 1024
+# Prompt tokens one worker loop prefills, in one forward, before its decode step (at least one query's): a burst of
+# 16 questions of 4 frames each (~650 tokens a question) starts in one or two loops, and the answers in flight wait
+# at most one such forward (~0.1 s on an H200 for the 3B shape) for their next token.
+PREFILL_TOKENS_PER_STEP = 8192
 
 
 @dataclass(eq=False)
@@ -112,6 +115,7 @@ class OmniEngine:
         self.steps = 0  # batched decode steps
         self.decode_rows_total = 0  # answers advanced, summed over the steps (÷ steps: the mean batch)
         self.prefill_tokens_total = 0
+        self.stats = ThinkerStats()
 
     @classmethod
     def load(cls, spec: str, **options: str) -> OmniEngine:
@@ -192,91 +196,141 @@ class OmniEngine:
                     self._finish(job, "cancelled")  # first: its slot may be the one a new query needs
             running = [j for j in running if not j.done]
             waiting: list[ThinkJob] = []
-            prefilled = 0
+            taken: list[ThinkJob] = []
+            planned = 0
             for job in admitted:
                 if job.cancelled:
                     self._finish(job, "cancelled")
-                elif not self._free_slots or prefilled >= PREFILL_TOKENS_PER_STEP:
+                elif len(taken) >= len(self._free_slots) or (taken and planned >= PREFILL_TOKENS_PER_STEP):
                     # No free slot: a job cancelled after this step began still holds its own (the next step frees
                     # it). Over the budget: the answers in flight get their next token before more prefills.
                     waiting.append(job)
                 else:
-                    prefilled += self._prefill(job)
-                    if not job.done:
-                        running.append(job)
+                    taken.append(job)
+                    planned += self._prompt_estimate(job.request)
+            prefilled, prompts = self._prefill(taken) if taken else (0, 0)
+            running.extend(job for job in taken if not job.done)
+            rows = len(running)
+            padded = False
             if running:
-                self._step(running)
+                padded = self._step(running)
+            self.stats.record_loop(rows, prefilled, prompts, padded=padded)
             with self._lock:
                 self._running = [j for j in running if not j.done]
                 self._pending[:0] = waiting
 
-    def _prefill(self, job: ThinkJob) -> int:
-        """Encode the job's prompt into a slot; the prompt's tokens (the job has ended when it could not start)."""
-        job.slot = self._free_slots.pop()
+    def _prompt_estimate(self, request: ThinkRequest) -> int:
+        """The prompt's tokens before encoding anything (audio at 25 tokens a second, rounded up): its share of a
+        loop's prefill budget."""
+        tok = self.model.tokenizer
+        text = len(tok.encode(request.context + tok.user_open())) + len(tok.encode(tok.user_close(request.question)))
+        audio = -(-len(request.audio) * 25 // (2 * AUDIO_RATE))
+        return text + len(request.frames) * self.model.tokens_per_frame + audio
+
+    def _prefill(self, jobs: list[ThinkJob]) -> tuple[int, int]:
+        """Encode the jobs' prompts (every new frame of all of them in one vision call) and prefill them into free
+        slots in ONE forward; (prompt tokens, prompts) prefilled. A job that could not start has ended."""
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
-            embeds = self._prompt_embeds(job.request)
-            tokens = int(embeds.shape[0])
-            if tokens > self.model.max_context:
+            frames = self._frame_tokens([job.request for job in jobs])
+        except Exception as exc:
+            log.exception("omni frame encoding failed")
+            for job in jobs:
+                self._finish(job, "error", f"{type(exc).__name__}: {exc}")
+            return 0, 0
+        ready: list[tuple[ThinkJob, torch.Tensor]] = []
+        for job, vision in zip(jobs, frames, strict=True):
+            try:
+                embeds = self._prompt_embeds(job.request, vision)
+            except Exception as exc:
+                log.exception("omni prompt encoding failed")
+                self._finish(job, "error", f"{type(exc).__name__}: {exc}")
+                continue
+            length = int(embeds.shape[0])
+            if length > self.model.max_context:
                 message = (
-                    f"the prompt ({tokens} tokens: history, frames, audio and question) exceeds the thinker's "
+                    f"the prompt ({length} tokens: history, frames, audio and question) exceeds the thinker's "
                     f"context of {self.model.max_context} tokens; ask with fewer frames or a shorter history"
                 )
                 self._finish(job, "error", message, CONTEXT_LENGTH_EXCEEDED)
-                return 0
-            job.logits = self.model.prefill(job.slot, embeds)
-            job.prefill_s = time.perf_counter() - started
+                continue
+            job.slot = self._free_slots.pop()
+            ready.append((job, embeds))
+        if not ready:
+            return 0, 0
+        slots = [job.slot for job, _ in ready]
+        try:
+            logits = self.model.prefill_many([s for s in slots if s is not None], [e for _, e in ready])
         except Exception as exc:
             log.exception("omni prefill failed")
-            self._finish(job, "error", f"{type(exc).__name__}: {exc}")
-            return 0
+            for job, _ in ready:
+                self._finish(job, "error", f"{type(exc).__name__}: {exc}")
+            return 0, 0
+        elapsed = time.perf_counter() - started
+        tokens = 0
+        for (job, embeds), row in zip(ready, logits, strict=True):
+            job.logits = row
+            job.prefill_s = elapsed
+            job.decoder = IncrementalDecoder(self.model.tokenizer)
+            job.generator = torch.Generator(device="cpu").manual_seed(job.request.seed)
+            tokens += int(embeds.shape[0])
         self.prefill_tokens_total += tokens
-        job.decoder = IncrementalDecoder(self.model.tokenizer)
-        job.generator = torch.Generator(device="cpu").manual_seed(job.request.seed)
-        return tokens
+        return tokens, len(ready)
 
-    def _prompt_embeds(self, request: ThinkRequest) -> torch.Tensor:
+    def _prompt_embeds(self, request: ThinkRequest, frames: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The prompt's embeddings: history, its frames' vision tokens (encoded now unless given), audio, question."""
         model = self.model
         tok = model.tokenizer
         parts = [model.embed(tok.encode(request.context + tok.user_open()))]
-        parts.extend(self._frame_tokens(request))
+        parts.extend(self._frame_tokens([request])[0] if frames is None else frames)
         if request.audio:
             parts.append(model.encode_audio(request.audio))
         parts.append(model.embed(tok.encode(tok.user_close(request.question))))
         return torch.cat([p.to(model.dtype) for p in parts])
 
-    def _frame_tokens(self, request: ThinkRequest) -> list[torch.Tensor]:
-        cache = request.cache
-        found: list[torch.Tensor | None] = [cache.get(f.digest) if cache is not None else None for f in request.frames]
-        missing = [i for i, t in enumerate(found) if t is None]
-        self.frames_reused_total += len(found) - len(missing)
+    def _frame_tokens(self, requests: list[ThinkRequest]) -> list[list[torch.Tensor]]:
+        """Each request's frames as vision tokens: reused from its session's cache, or encoded, the frames missing
+        from every request in one encoder call."""
+        found = [[r.cache.get(f.digest) if r.cache is not None else None for f in r.frames] for r in requests]
+        missing = [(i, j) for i, row in enumerate(found) for j, t in enumerate(row) if t is None]
+        self.frames_reused_total += sum(len(row) for row in found) - len(missing)
         if missing:
             started = time.perf_counter()
-            encoded = self.model.encode_frames([request.frames[i].pixels for i in missing])
+            encoded = self.model.encode_frames([requests[i].frames[j].pixels for i, j in missing])
             self.encode_seconds_total += time.perf_counter() - started
             self.frames_encoded_total += len(missing)
-            for i, tokens in zip(missing, encoded, strict=True):
-                found[i] = tokens
+            for (i, j), tokens in zip(missing, encoded, strict=True):
+                found[i][j] = tokens
+                cache = requests[i].cache
                 if cache is not None:
-                    cache.put(request.frames[i].digest, tokens)
-        return [t for t in found if t is not None]
+                    cache.put(requests[i].frames[j].digest, tokens)
+        return [[t for t in row if t is not None] for row in found]
 
-    def _step(self, jobs: list[ThinkJob]) -> None:
-        """One token of every job: sample all of them at once, emit, then one forward over those that go on."""
+    def _step(self, jobs: list[ThinkJob]) -> bool:
+        """One token of every job: sample all of them at once, emit, and one forward over those that go on; whether
+        the step ran padded (from a captured graph on the GPU: sampling and forward in one replay)."""
         model = self.model
+        padded = model.padded_decode
+        following: torch.Tensor | None = None
         try:
-            logits = torch.stack([job.next_logits() for job in jobs])
+            logits = [job.next_logits() for job in jobs]
+            temperature = [job.request.temperature for job in jobs]
             # One uniform per answer from its own generator (CPU), sent with the temperatures in one copy.
             draws = [float(torch.rand((), dtype=torch.float64, generator=job.generator)) for job in jobs]
-            rows = torch.tensor([[job.request.temperature for job in jobs], draws], dtype=torch.float64)
-            rows = rows.to(logits.device)
-            sampled = sample_rows(logits, rows[0], rows[1])
-            tokens = sampled.tolist()
+            if padded:
+                # Rows whose answer ends whatever they sample (their last token, or no room left) write nowhere.
+                targets = [job.slot if self._can_go_on(job) else None for job in jobs]
+                tokens, following = model.sample_decode(logits, temperature, draws, targets)
+            else:
+                stacked = torch.stack(logits)
+                rows = torch.tensor([temperature, draws], dtype=torch.float64).to(stacked.device)
+                sampled = sample_rows(stacked, rows[0], rows[1])
+                tokens = sampled.tolist()
         except Exception as exc:
             log.exception("omni sampling failed")
             for job in jobs:
                 self._finish(job, "error", f"{type(exc).__name__}: {exc}")
-            return
+            return padded
         self.steps += 1
         self.decode_rows_total += len(jobs)
         going: list[int] = []
@@ -304,18 +358,28 @@ class OmniEngine:
                 going.append(i)
                 slots.append(slot)
         if not going:
-            return
+            return padded
         on = [jobs[i] for i in going]
-        try:
-            index = torch.tensor(going, device=sampled.device)
-            next_logits = model.decode(slots, sampled.index_select(0, index))
-        except Exception as exc:
-            log.exception("omni decode failed")
-            for job in on:
-                self._finish(job, "error", f"{type(exc).__name__}: {exc}")
-            return
+        if following is not None:
+            model.commit_decoded(slots)
+            next_logits = following.index_select(0, torch.tensor(going, device=following.device))
+        else:
+            try:
+                index = torch.tensor(going, device=sampled.device)
+                next_logits = model.decode(slots, sampled.index_select(0, index))
+            except Exception as exc:
+                log.exception("omni decode failed")
+                for job in on:
+                    self._finish(job, "error", f"{type(exc).__name__}: {exc}")
+                return padded
         for job, row in zip(on, next_logits, strict=True):
             job.logits = row
+        return padded
+
+    def _can_go_on(self, job: ThinkJob) -> bool:
+        """Whether the job's next token may be followed by another, whatever it is (before sampling it)."""
+        slot = job.slot
+        return slot is not None and job.tokens + 1 < job.request.max_new_tokens and self.model.room(slot) >= 1
 
     def _finish(self, job: ThinkJob, reason: ThinkStop, error: str | None = None, code: str | None = None) -> None:
         if job.done:

@@ -31,7 +31,9 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from omnigate.engines.kv.decoder_stack import DecoderStack
 from omnigate.engines.kv.slots import SlotKVCache
+from omnigate.engines.omni.decode_step import POSITION, SLOT, TEMPERATURE, UNIFORM, DecodeSteps, pad_step_rows
 from omnigate.engines.omni.request import AUDIO_RATE
+from omnigate.engines.omni.sampling import sample_rows
 from omnigate.engines.omni.tokenizer import HfTokenizer, PrintableTokenizer, ThinkerTokenizer
 from omnigate.engines.omni.vision_attention import use_segmented_attention
 
@@ -161,6 +163,12 @@ class OmniModel:
         self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()  # [max_context, head_dim]
         # The head's rows of the ids that can be sampled (a view): the rest would be computed to be cut off.
         self._head: torch.Tensor = thinker.lm_head.weight[:vocab_limit]
+        # Decode steps with their sampling on padded rows: from CUDA graphs captured at warm-up on the GPU; on the
+        # CPU the eager step (sample, then a forward over the answers that go on) stays the default and reference.
+        self.decode_steps = DecodeSteps(
+            self._sample_forward, slots=slots, vocab=int(self._head.shape[0]), device=self.device
+        )
+        self.padded_decode: bool = self.device.type == "cuda"
 
     @property
     def tokens_per_frame(self) -> int:
@@ -208,8 +216,11 @@ class OmniModel:
             if batch >= self.slots:
                 break
             batch = min(2 * batch, self.slots)
+        self.prefill_many(list(range(min(3, self.slots))), [prompt] * min(3, self.slots))
         for slot in range(self.slots):
             self.cache.reset(slot)
+        if self.padded_decode:
+            self.decode_steps.capture(self.cache.scratch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -254,8 +265,51 @@ class OmniModel:
         """Start ``slot`` over with a prompt (``embeds`` ``[L, hidden]``); the next-token logits ``[vocab]`` (float32,
         the first ``vocab_limit`` ids). Raises :class:`~omnigate.engines.kv.slots.ContextFull` when ``L`` exceeds
         ``max_context``."""
-        self.cache.reset(slot)
-        return self._logits(self._rows(embeds.to(self.dtype), [slot], [int(embeds.shape[0])]))[0]
+        return self.prefill_many([slot], [embeds])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Start each of ``slots`` over with its prompt, all in ONE forward: the prompts' rows are concatenated,
+        each at its own slot and positions from 0, and a row attends over its own slot's keys up to its position
+        (causal within a prompt, nothing across prompts). The next-token logits ``[len(slots), vocab]``."""
+        for slot in slots:
+            self.cache.reset(slot)
+        x = torch.cat([p.to(self.dtype) for p in prompts])
+        return self._logits(self._rows(x, slots, [int(p.shape[0]) for p in prompts]))
+
+    def _sample_forward(
+        self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded step (:mod:`~omnigate.engines.omni.decode_step`): sample every row, run the thinker over the
+        sampled ids at each row's slot and position; (ids ``[B]``, next logits ``[B, vocab]``). Device work only."""
+        sampled = sample_rows(logits, floats[TEMPERATURE], floats[UNIFORM])
+        positions = ints[POSITION]
+        x = self._embed(sampled).to(self.dtype)
+        cos = self.rope_cos.index_select(0, positions)
+        sin = self.rope_sin.index_select(0, positions)
+        out = self.stack.forward(x, self.cache.keys, self.cache.values, ints[SLOT], positions, cos, sin)
+        return sampled, self._logits(out)
+
+    @torch.inference_mode()
+    def sample_decode(
+        self,
+        logits: Sequence[torch.Tensor],
+        temperature: Sequence[float],
+        uniforms: Sequence[float],
+        slots: Sequence[int | None],
+    ) -> tuple[list[int], torch.Tensor]:
+        """One padded step: sample row ``i`` from ``logits[i]`` and append the sampled id to ``slots[i]`` (None: the
+        row's answer cannot go on, it writes nowhere); the ids and the next logits ``[n, vocab]``. Lengths are not
+        committed: :meth:`commit_decoded` counts the token of the answers that go on."""
+        targets = [None if slot is None else (slot, self.cache.length(slot)) for slot in slots]
+        rows = pad_step_rows(temperature, uniforms, targets, self.decode_steps.buckets, self.cache.scratch)
+        sampled, following = self.decode_steps.run(logits, rows)
+        ids: list[int] = sampled.tolist()
+        return ids, following
+
+    def commit_decoded(self, slots: Sequence[int]) -> None:
+        """Count the token a :meth:`sample_decode` step appended to each of ``slots``."""
+        self.cache.commit(slots, [1] * len(slots))
 
     @torch.inference_mode()
     def decode(self, slots: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from omnigate.engines.duplex.stats import STEP_BUCKETS_S, ClockStats
+from omnigate.engines.omni.stats import RATE_WINDOW_S, ThinkerStats
 from omnigate.gateway.state import Gateway
 from omnigate.sessions.realtime.responder import TurnTimings
 
@@ -85,6 +86,8 @@ class _GatewayCollector(Collector):
             yield robot_failed
         if gw.duplex_stats is not None:
             yield from _duplex_metrics(gw.duplex_stats)
+        if gw.omni_stats is not None:
+            yield from _omni_metrics(gw.omni_stats)
         pool = gw.pool
         if pool is None:
             return
@@ -130,6 +133,40 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     family = CounterMetricFamily(name, documentation)
     family.add_metric([], value)
     return family
+
+
+def _omni_metrics(stats: ThinkerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The omni thinker's worker loop (video chat): its decode steps, the answers each advances, the prompt tokens
+    each loop prefills; totals since load, and rates over the last ``RATE_WINDOW_S`` seconds."""
+    rates = stats.rates()
+    window = f"over the last {RATE_WINDOW_S:g} s"
+    yield GaugeMetricFamily(
+        "omnigate_omni_steps_per_second", f"Thinker decode steps per second {window}", value=rates.steps_per_s
+    )
+    yield GaugeMetricFamily(
+        "omnigate_omni_rows_per_step", f"Answers advanced per thinker decode step {window}", value=rates.rows_per_step
+    )
+    yield GaugeMetricFamily(
+        "omnigate_omni_prefill_tokens_per_step",
+        f"Prompt tokens prefilled per thinker worker loop {window}",
+        value=rates.prefill_tokens_per_step,
+    )
+    yield _counter("omnigate_omni_steps", "Thinker decode steps (one forward over every answer in flight)", stats.steps)
+    yield _counter(
+        "omnigate_omni_padded_steps",
+        "Thinker decode steps padded to a batch bucket (replayed from a captured CUDA graph on the GPU)",
+        stats.padded_steps,
+    )
+    yield _counter(
+        "omnigate_omni_decode_rows", "Answers advanced, summed over the thinker's decode steps", stats.decode_rows
+    )
+    yield _counter("omnigate_omni_prefill_tokens", "Prompt tokens the thinker prefilled", stats.prefill_tokens)
+    yield _counter(
+        "omnigate_omni_prefill_forwards",
+        "Thinker prefill forwards (each of one or more prompts)",
+        stats.prefill_forwards,
+    )
+    yield _counter("omnigate_omni_prefilled_prompts", "Prompts the thinker prefilled", stats.prefilled_prompts)
 
 
 def _duplex_metrics(stats: ClockStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
