@@ -12,6 +12,9 @@ un-normalized and cut to the robot's ``action_dim``.
 
 On a GPU the sampling of each batch-size bucket is one CUDA graph, captured at load: a step copies the batch into
 the bucket's static inputs and replays it, so a step costs one launch whatever the number of layers and flow steps.
+The layers run fused (merged projections, one-kernel norms, residual adds inside the output GEMMs; see
+:meth:`~omnigate.engines.policy.model.Pi0Policy.pack`), which halves the kernels of a step, and most of a small
+batch's step is kernels too small to fill the GPU; ``fused=off`` serves the reference layers, the same function.
 """
 
 from __future__ import annotations
