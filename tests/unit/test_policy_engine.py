@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from omnigate.engines.policy.checkpoint import CheckpointError, Normalization, load_checkpoint, save_checkpoint
 from omnigate.engines.policy.engine import PolicyEngine
-from omnigate.engines.policy.model import build_random, tiny_dims
+from omnigate.engines.policy.model import Pi0Policy, build_random, tiny_dims
 from omnigate.engines.policy.spec import Observation, PolicyStream
 
 
@@ -63,6 +63,65 @@ def test_batching_does_not_change_an_observations_actions(engine: PolicyEngine) 
             pixels[1:], inputs["tokens"][1:], inputs["mask"][1:], inputs["state"][1:], noise[1:]
         )
     assert torch.allclose(both[1], alone[0], atol=1e-5)
+
+
+def _varied_inputs(batch: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random images, state and noise, and prompts of several lengths (padding masked) for the tiny preset."""
+    dims, generator = tiny_dims(), torch.Generator().manual_seed(seed)
+    images = torch.rand(batch, dims.cameras, 3, 32, 32, generator=generator) * 2 - 1
+    tokens = torch.randint(3, 259, (batch, dims.max_prompt_tokens), generator=generator)
+    mask = torch.zeros(batch, dims.max_prompt_tokens, dtype=torch.bool)
+    for i in range(batch):
+        mask[i, : 3 + (5 * i) % (dims.max_prompt_tokens - 2)] = True
+    state = torch.randn(batch, dims.max_state_dim, generator=generator)
+    noise = torch.randn(batch, dims.action_horizon, dims.max_action_dim, generator=generator)
+    return images, tokens, mask, state, noise
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).norm() / ref.norm())
+
+
+@pytest.fixture(scope="module")
+def packed_policy() -> Pi0Policy:
+    """Random weights with non-zero norm weights (so the norms' ``1 + weight`` scales are exercised), packed."""
+    policy = build_random(tiny_dims(), torch.device("cpu"), torch.float32, seed=7)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(8)
+        for name, parameter in policy.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    policy.pack()
+    return policy
+
+
+def test_the_fused_layers_sample_what_the_reference_layers_sample(packed_policy: Pi0Policy) -> None:
+    """Merged QKV and gate-up GEMMs, one-kernel norms, folded heads: the same function (float32 rounding apart)."""
+    for seed in (0, 1):
+        inputs = _varied_inputs(3, seed)
+        with torch.inference_mode():
+            reference = packed_policy.sample_actions(*inputs)
+            fused = packed_policy.sample_actions(*inputs, fused=True)
+        assert torch.isfinite(fused).all()
+        assert _relative_error(fused, reference) < 1e-5  # float32 on the CPU; seen 4e-8
+
+
+def test_a_fused_batch_equals_its_observations_one_by_one(packed_policy: Pi0Policy) -> None:
+    inputs = _varied_inputs(4, seed=2)
+    with torch.inference_mode():
+        batched = packed_policy.sample_actions(*inputs, fused=True)
+        for i in range(4):
+            alone = packed_policy.sample_actions(*(t[i : i + 1] for t in inputs), fused=True)
+            assert _relative_error(batched[i], alone[0]) < 1e-5  # float32; seen 3e-8
+
+
+def test_the_engine_serves_the_fused_layers_and_the_reference_ones_alike() -> None:
+    fused = PolicyEngine.load("preset:tiny", threads="1", seed="4")
+    reference = PolicyEngine.load("preset:tiny", threads="1", seed="4", fused="off")
+    assert fused.fused and not reference.fused
+    observations = [observation(6), observation(7, prompt="open the drawer and take the cup out")]
+    for a, b in zip(fused.step(streams_for(*observations)), reference.step(streams_for(*observations)), strict=True):
+        assert np.allclose(a.actions, b.actions, rtol=1e-4, atol=1e-5)
 
 
 def test_images_of_any_size_are_resized_with_padding(engine: PolicyEngine) -> None:

@@ -12,6 +12,9 @@ un-normalized and cut to the robot's ``action_dim``.
 
 On a GPU the sampling of each batch-size bucket is one CUDA graph, captured at load: a step copies the batch into
 the bucket's static inputs and replays it, so a step costs one launch whatever the number of layers and flow steps.
+The layers run fused (merged projections, one-kernel norms, residual adds inside the output GEMMs; see
+:meth:`~omnigate.engines.policy.model.Pi0Policy.pack`), which halves the kernels of a step, and most of a small
+batch's step is kernels too small to fill the GPU; ``fused=off`` serves the reference layers, the same function.
 """
 
 from __future__ import annotations
@@ -66,9 +69,13 @@ class PolicyEngine:
         max_sessions: int,
         max_batch: int,
         graphs: bool,
+        fused: bool = True,
         seed: int = 0,
     ) -> None:
         self.policy = policy
+        self.fused = fused
+        if fused and not policy.packed:
+            policy.pack()
         self.dims: Pi0Dims = policy.dims
         parameter = next(policy.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
@@ -107,12 +114,13 @@ class PolicyEngine:
         Options: ``device`` (cpu, cuda, cuda:N; default cuda when available for pi0, else cpu), ``dtype``
         (float32, bfloat16; default bfloat16 on a GPU), ``cameras`` (presets), ``max_batch``, ``max_sessions``,
         ``control_rate_hz`` (the rate a session is assumed to run at before it is measured or declared),
-        ``flow_steps``, ``graphs`` (on/off: CUDA graphs on a GPU), ``seed``, ``threads`` (CPU).
+        ``flow_steps``, ``graphs`` (on/off: CUDA graphs on a GPU), ``fused`` (on/off: the merged-weight layers, or the
+        reference layers one projection at a time), ``seed``, ``threads`` (CPU).
         """
         spec = spec or "preset:tiny"
         unknown = set(options) - {
             "device", "dtype", "cameras", "max_batch", "max_sessions", "control_rate_hz", "flow_steps", "graphs",
-            "seed", "threads",
+            "fused", "seed", "threads",
         }  # fmt: skip
         if unknown:
             raise ValueError(f"unknown robot model option(s): {', '.join(sorted(unknown))}")
@@ -156,7 +164,8 @@ class PolicyEngine:
             control_rate_hz=float(options.get("control_rate_hz", rate)),
             max_sessions=int(options.get("max_sessions", 256)),
             max_batch=max_batch,
-            graphs=str(options.get("graphs", "on")).lower() not in ("off", "0", "false", "no"),
+            graphs=_switch(options.get("graphs", "on")),
+            fused=_switch(options.get("fused", "on")),
             seed=seed,
         )
 
@@ -247,6 +256,7 @@ class PolicyEngine:
                 device_inputs["mask"],
                 device_inputs["state"].to(self.dtype),
                 noise,
+                self.fused,
             )
         actions = raw[:, :, : self.info.action_dim].float().cpu()
         norm = self.normalization
@@ -268,7 +278,7 @@ class PolicyEngine:
         try:
             with torch.inference_mode():
                 for bucket in reversed(buckets):  # the largest first: the smaller ones reuse its memory pool
-                    self._graphs[bucket] = _GraphedSampler(self.policy, bucket, self.dims, self.dtype, pool)
+                    self._graphs[bucket] = _GraphedSampler(self.policy, bucket, self.dims, self.dtype, pool, self.fused)
         except RuntimeError:
             # A kernel that cannot be captured must not take the policy down: it is served eagerly, and said so.
             log.exception("policy CUDA graphs could not be captured; stepping eagerly")
@@ -288,6 +298,10 @@ def _pixels(images: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (images.permute(0, 1, 4, 2, 3).to(dtype) / 127.5 - 1.0).contiguous()
 
 
+def _switch(value: object) -> bool:
+    return str(value).lower() not in ("off", "0", "false", "no")
+
+
 def _with_flow_steps(dims: Pi0Dims, steps: int) -> Pi0Dims:
     if steps < 1:
         raise ValueError("flow_steps must be at least 1")
@@ -297,7 +311,9 @@ def _with_flow_steps(dims: Pi0Dims, steps: int) -> Pi0Dims:
 class _GraphedSampler:
     """``sample_actions`` for a fixed batch size as one CUDA graph with static inputs and output."""
 
-    def __init__(self, policy: Pi0Policy, batch: int, dims: Pi0Dims, dtype: torch.dtype, pool: Any) -> None:
+    def __init__(
+        self, policy: Pi0Policy, batch: int, dims: Pi0Dims, dtype: torch.dtype, pool: Any, fused: bool
+    ) -> None:
         device = next(policy.parameters()).device
         size, cameras = int(dims.vision["image_size"]), dims.cameras
         self.batch = batch
@@ -310,7 +326,7 @@ class _GraphedSampler:
 
         def run() -> torch.Tensor:
             return policy.sample_actions(
-                _pixels(self.images, dtype), self.tokens, self.mask, self.state.to(dtype), self.noise
+                _pixels(self.images, dtype), self.tokens, self.mask, self.state.to(dtype), self.noise, fused
             )
 
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]

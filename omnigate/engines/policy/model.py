@@ -146,6 +146,20 @@ class _SiglipAttention(nn.Module):
         out = F.scaled_dot_product_attention(split(self.q_proj), split(self.k_proj), split(self.v_proj))
         return self.out_proj(out.transpose(1, 2).reshape(b, t, w))  # type: ignore[no-any-return]
 
+    def pack(self) -> None:
+        """Keep q, k and v as one matrix (a copy: the Linear weights keep the checkpoint's layout)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projections])
+        self.qkv_bias = torch.cat([p.bias for p in projections])
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with one projection GEMM for q, k and v (after :meth:`pack`)."""
+        b, t, w = x.shape
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(b, t, 3, self.heads, w // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, w))  # type: ignore[no-any-return]
+
 
 class _SiglipMlp(nn.Module):
     def __init__(self, width: int, hidden: int) -> None:
@@ -166,8 +180,9 @@ class _SiglipLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.mlp = _SiglipMlp(width, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        normed = self.layer_norm1(x)
+        x = x + (self.self_attn.fused(normed) if fused else self.self_attn(normed))
         return x + self.mlp(self.layer_norm2(x))  # type: ignore[no-any-return]
 
 
@@ -196,10 +211,10 @@ class _SiglipVisionModel(nn.Module):
         self.encoder = _SiglipEncoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, fused: bool = False) -> torch.Tensor:
         x = self.embeddings(pixels)
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = layer(x, fused)
         return self.post_layernorm(x)  # type: ignore[no-any-return]
 
 
@@ -297,6 +312,51 @@ class _GemmaLayer(nn.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, (k, v)
 
+    def pack(self) -> None:
+        """Merged weights for :meth:`fused` (copies: the Linear weights keep the checkpoint's layout): q, k and v as
+        one matrix, gate and up as one, and each RMSNorm's ``1 + weight`` as the scale the fused norm takes."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.kv_heads != 1:
+            raise ValueError("the fused layer folds the query heads over one key-value head (pi0's attention)")
+        self.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.input_scale = 1.0 + self.input_layernorm.weight
+        self.post_attention_scale = 1.0 + self.post_attention_layernorm.weight
+
+    def fused(
+        self, x: torch.Tensor, rope: KV, mask: torch.Tensor, context: KV | None = None, kv_only: bool = False
+    ) -> tuple[torch.Tensor, KV]:
+        """:meth:`forward` in about half the kernels (after :meth:`pack`), for the same function.
+
+        One GEMM for q, k and v and one for gate and up; the norms as one kernel each; RoPE of q and k in one pass;
+        the residual adds inside the output GEMMs (``addmm``). The query heads are folded into the query length
+        against the single key-value head, so attention reads keys and values of shape (B, 1, S, D), never copied
+        per head: ``mask`` is (B, 1, 1 or T * heads, S), and ``context`` buffers (B, 1, P + T, D). ``kv_only``: the
+        last backbone layer, whose output nobody reads, stops at its keys and values.
+        """
+        b, t, width = x.shape
+        attn = self.self_attn
+        heads, dim = attn.heads, attn.head_dim
+        normed = F.rms_norm(x, (width,), self.input_scale, self.input_layernorm.eps)
+        qkv = F.linear(normed, self.qkv_weight).view(b, t, heads + 2, dim)
+        qk = _rotate_folded(qkv[:, :, : heads + 1], rope)
+        k, v = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + 1 :].transpose(1, 2)
+        if kv_only:
+            return x, (k, v)
+        if context is None:
+            keys, values = k, v
+        else:
+            keys, values = context
+            keys[:, :, -t:] = k
+            values[:, :, -t:] = v
+        q = qk[:, :, :heads].reshape(b, 1, t * heads, dim)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        flat = torch.addmm(x.reshape(b * t, width), attended.reshape(b * t, heads * dim), attn.o_proj.weight.t())
+        normed = F.rms_norm(flat, (width,), self.post_attention_scale, self.post_attention_layernorm.eps)
+        gate, up = F.linear(normed, self.gate_up_weight).chunk(2, -1)
+        flat = torch.addmm(flat, F.gelu(gate, approximate="tanh") * up, self.mlp.down_proj.weight.t())
+        return flat.view(b, t, width), (k, v)
+
 
 def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Keys or values for every query head (pi0 has one KV head): the masked fused attention kernels take no GQA."""
@@ -334,6 +394,21 @@ def _rotate(x: torch.Tensor, rope: KV) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin
+
+
+def _folded_rope(rope: KV) -> KV:
+    """:func:`_rope_tables` for :func:`_rotate_folded`: (B, T, 1, D), the sine's first half negated."""
+    cos, sin = rope
+    half = sin.shape[-1] // 2
+    return cos.transpose(1, 2), torch.cat([-sin[..., :half], sin[..., half:]], -1).transpose(1, 2)
+
+
+def _rotate_folded(x: torch.Tensor, rope: KV) -> torch.Tensor:
+    """:func:`_rotate` of (B, T, heads, D) in three kernels: the halves swapped, times the signed sine, plus x cos."""
+    cos, signed_sin = rope
+    *lead, dim = x.shape
+    swapped = x.reshape(*lead, 2, dim // 2).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 # ---- pi0 -----------------------------------------------------------------------------------------------------------
@@ -383,14 +458,33 @@ class Pi0Policy(nn.Module):
             raise ValueError("the action expert must match the backbone's head size and depth (it attends to it)")
         self._expert_heads = expert.num_attention_heads
         self._theta = float(getattr(backbone, "rope_theta", None) or 10_000.0)
+        self.packed = False
+
+    def pack(self) -> None:
+        """Build the merged weights the fused path reads (``fused=True``); once, after the weights are final."""
+        vision = self.model.paligemma_with_expert.paligemma.vision_tower.vision_model
+        for siglip in vision.encoder.layers:
+            assert isinstance(siglip, _SiglipLayer)
+            siglip.self_attn.pack()
+        for layer in (*self._backbone_layers(), *self._expert_layers()):
+            layer.pack()
+        self.packed = True
+
+    def _backbone_layers(self) -> list[_GemmaLayer]:
+        return list(self.model.paligemma_with_expert.paligemma.language_model.model.layers)  # type: ignore[arg-type]
+
+    def _expert_layers(self) -> list[_GemmaLayer]:
+        return list(self.model.paligemma_with_expert.gemma_expert.model.layers)  # type: ignore[arg-type]
 
     def embed_prefix(
-        self, images: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+        self, images: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image tokens of every camera, then prompt tokens: (B, P, width) and the valid mask (B, P)."""
+        """Image tokens of every camera, then prompt tokens: (B, P, width) and the valid mask (B, P).
+
+        The vision tower runs once over every camera of every observation (B * cameras images in one batch)."""
         paligemma = self.model.paligemma_with_expert.paligemma
         b, cameras = images.shape[:2]
-        seen = paligemma.vision_tower.vision_model(images.flatten(0, 1))
+        seen = paligemma.vision_tower.vision_model(images.flatten(0, 1), fused)
         image_emb = paligemma.multi_modal_projector.linear(seen)
         image_emb = image_emb * math.sqrt(image_emb.shape[-1])
         image_emb = image_emb.view(b, cameras * image_emb.shape[1], image_emb.shape[2])
@@ -401,17 +495,25 @@ class Pi0Policy(nn.Module):
         return torch.cat([image_emb, text_emb.to(image_emb.dtype)], 1), valid
 
     def prefix_kv(
-        self, images: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+        self, images: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor, fused: bool = False
     ) -> tuple[list[KV], torch.Tensor]:
-        """Run the backbone over the prefix once; its per-layer keys and values and the prefix's valid mask."""
-        x, valid = self.embed_prefix(images, tokens, token_mask)
+        """Run the backbone over the prefix once, all observations in one forward (padding masked): its per-layer
+        keys and values and the prefix's valid mask."""
+        x, valid = self.embed_prefix(images, tokens, token_mask, fused)
         positions = valid.long().cumsum(1) - 1
         rope = _rope_tables(positions, self._head_dim, self._theta, x.dtype)
         mask = valid[:, None, None, :]
         kv: list[KV] = []
-        for layer in self.model.paligemma_with_expert.paligemma.language_model.model.layers:
-            x, layer_kv = layer(x, rope, mask)
-            kv.append(layer_kv)
+        layers = self._backbone_layers()
+        if fused:
+            folded = _folded_rope(rope)
+            for i, layer in enumerate(layers):
+                x, layer_kv = layer.fused(x, folded, mask, kv_only=i == len(layers) - 1)
+                kv.append(layer_kv)
+        else:
+            for layer in layers:
+                x, layer_kv = layer(x, rope, mask)
+                kv.append(layer_kv)
         return kv, valid
 
     def velocity(
@@ -423,12 +525,15 @@ class Pi0Policy(nn.Module):
         mixed = torch.cat([model.action_in_proj(actions), time_emb.expand(b, horizon, -1)], -1)
         action_emb = model.action_time_mlp_out(F.silu(model.action_time_mlp_in(mixed)))
         x = torch.cat([state_emb, action_emb], 1)
-        for layer, buffers in zip(model.paligemma_with_expert.gemma_expert.model.layers, context, strict=True):
-            x, _ = layer(x, suffix.rope, suffix.mask, buffers)
+        for layer, buffers in zip(self._expert_layers(), context, strict=True):
+            if suffix.fused:
+                x, _ = layer.fused(x, suffix.rope, suffix.mask, buffers)
+            else:
+                x, _ = layer(x, suffix.rope, suffix.mask, buffers)
         x = model.paligemma_with_expert.gemma_expert.model.norm(x)
         return model.action_out_proj(x[:, 1:])  # type: ignore[no-any-return]
 
-    def _suffix(self, valid: torch.Tensor, horizon: int, dtype: torch.dtype) -> _Suffix:
+    def _suffix(self, valid: torch.Tensor, horizon: int, dtype: torch.dtype, fused: bool) -> _Suffix:
         """The suffix's RoPE tables and attention mask, the same at every flow step."""
         b, length = valid.shape[0], 1 + horizon
         positions = valid.long().sum(1, keepdim=True) + torch.arange(length, device=valid.device)
@@ -437,7 +542,9 @@ class Pi0Policy(nn.Module):
         sees_suffix = torch.ones(length, length, dtype=torch.bool, device=valid.device)
         sees_suffix[0, 1:] = False
         mask = torch.cat([valid[:, None, :].expand(b, length, -1), sees_suffix.expand(b, -1, -1)], 2)[:, None]
-        return _Suffix(rope, mask)
+        if fused:  # the query heads folded into the rows: row t * heads + h is token t's head h
+            return _Suffix(_folded_rope(rope), mask.repeat_interleave(self._expert_heads, 2), fused=True)
+        return _Suffix(rope, mask, fused=False)
 
     def sample_actions(
         self,
@@ -446,25 +553,33 @@ class Pi0Policy(nn.Module):
         token_mask: torch.Tensor,
         state: torch.Tensor,
         noise: torch.Tensor,
+        fused: bool = False,
     ) -> torch.Tensor:
         """Flow-matching sampling in ``flow_steps`` Euler steps from ``noise`` (t = 1) to actions (t = 0).
 
         ``images`` (B, cameras, 3, S, S) in [-1, 1]; ``tokens``/``token_mask`` (B, L); ``state`` (B, max_state_dim),
         already normalized and padded; ``noise`` (B, horizon, max_action_dim). Returns (B, horizon, max_action_dim).
+        ``fused``: the merged-weight layers (after :meth:`pack`), the same function in about half the kernels.
         """
-        kv, valid = self.prefix_kv(images, tokens, token_mask)
+        kv, valid = self.prefix_kv(images, tokens, token_mask, fused)
+        return self.denoise(kv, valid, state, noise, fused)
+
+    def denoise(
+        self, kv: list[KV], valid: torch.Tensor, state: torch.Tensor, noise: torch.Tensor, fused: bool = False
+    ) -> torch.Tensor:
+        """The action expert's ``flow_steps`` Euler steps over the prefix's keys and values (:meth:`prefix_kv`)."""
         b, horizon, _ = noise.shape
-        heads, head_dim = self._expert_heads, self._head_dim
+        heads = 1 if fused else self._expert_heads
         prefix, total = valid.shape[1], valid.shape[1] + 1 + horizon
-        # Per layer, key and value buffers for every head: the prefix part is filled once, the suffix at each step.
+        # Per layer, key and value buffers: the prefix part is filled once, the suffix at each step.
         context: list[KV] = []
         for k, v in kv:
-            keys = torch.empty(b, heads, total, head_dim, device=noise.device, dtype=k.dtype)
+            keys = torch.empty(b, heads, total, self._head_dim, device=noise.device, dtype=k.dtype)
             values = torch.empty_like(keys)
             keys[:, :, :prefix] = _per_head(k, heads)
             values[:, :, :prefix] = _per_head(v, heads)
             context.append((keys, values))
-        suffix = self._suffix(valid, horizon, noise.dtype)
+        suffix = self._suffix(valid, horizon, noise.dtype, fused)
         state_emb = self.model.state_proj(state.to(noise.dtype))[:, None]
         steps = self.dims.flow_steps
         dt = -1.0 / steps
@@ -479,6 +594,7 @@ class Pi0Policy(nn.Module):
 class _Suffix:
     rope: KV
     mask: torch.Tensor
+    fused: bool
 
 
 def _time_embeddings(
