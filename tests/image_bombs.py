@@ -85,3 +85,16 @@ def corpus() -> dict[str, bytes]:
         "truncated_jpeg": truncated(jpeg(160, 120)),
         "truncated_png": truncated(png(64, 64)),
     }
+
+
+# The typed refusal each picture of the corpus gets from the frame budget or the decoder.
+REFUSALS = {
+    "ztxt_bomb": "input_too_large",
+    "iccp_bomb": "input_too_large",
+    "itxt_bomb": "input_too_large",
+    "text_over_budget": "input_too_large",
+    "huge_png": "input_too_large",
+    "huge_jpeg_header": "input_too_large",
+    "truncated_jpeg": "invalid_frame",
+    "truncated_png": "invalid_frame",
+}

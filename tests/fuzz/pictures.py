@@ -31,22 +31,12 @@ ANY = None  # at most one typed refusal
 Picture = tuple[bytes, str | None]  # the bytes, and the refusal they must get (ACCEPTED, ANY or a code)
 
 BUDGET = FrameBudget()
-CORPUS_REFUSALS = {
-    "ztxt_bomb": "input_too_large",
-    "iccp_bomb": "input_too_large",
-    "itxt_bomb": "input_too_large",
-    "text_over_budget": "input_too_large",
-    "huge_png": "input_too_large",
-    "huge_jpeg_header": "input_too_large",
-    "truncated_jpeg": "invalid_frame",
-    "truncated_png": "invalid_frame",
-}
 
 
 def corpus_pictures() -> list[Picture]:
     """The whole corpus, each with its refusal: a regression run on every fuzz run."""
     corpus = image_bombs.corpus()
-    return [(corpus[name], code) for name, code in sorted(CORPUS_REFUSALS.items())]
+    return [(corpus[name], code) for name, code in sorted(image_bombs.REFUSALS.items())]
 
 
 sides = st.integers(min_value=1, max_value=200)

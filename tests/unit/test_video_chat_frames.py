@@ -14,23 +14,13 @@ from omnigate.sessions.video_chat import DecodedFrame
 from tests import image_bombs
 
 BUDGET = FrameBudget()
-REFUSED_AS = {
-    "ztxt_bomb": "input_too_large",
-    "iccp_bomb": "input_too_large",
-    "itxt_bomb": "input_too_large",
-    "text_over_budget": "input_too_large",
-    "huge_png": "input_too_large",
-    "huge_jpeg_header": "input_too_large",
-    "truncated_jpeg": "invalid_frame",
-    "truncated_png": "invalid_frame",
-}
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED_AS))
+@pytest.mark.parametrize("name", sorted(image_bombs.REFUSALS))
 def test_every_bomb_and_broken_picture_is_refused_typed(name: str) -> None:
     with pytest.raises(FrameRefused) as refused:
         decode_frame(image_bombs.corpus()[name], 56, BUDGET)
-    assert refused.value.code == REFUSED_AS[name], refused.value.message
+    assert refused.value.code == image_bombs.REFUSALS[name], refused.value.message
 
 
 def test_text_pillow_refuses_with_value_error_is_a_typed_refusal() -> None:
