@@ -50,6 +50,7 @@ async def poll_health(url: str, seconds: float) -> list[float]:
 
 
 async def bomber(ws_url: str, payload: bytes, seconds: float, answers: Counter[str]) -> None:
+    # Connected as openpi-client connects (compression=None, max_size=None): what real robots offer.
     async with connect(ws_url, max_size=None, compression=None) as ws:
         await ws.recv()  # the metadata
         end = time.perf_counter() + seconds

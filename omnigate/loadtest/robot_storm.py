@@ -99,6 +99,7 @@ async def _robot(
     """One robot's bursts and its closing probe; returns (messages sent, actions received)."""
     bursts, bombs_per_burst, extra = shape
     sent = actions = 0
+    # Connected as openpi-client connects (compression=None, max_size=None): what real robots offer.
     async with connect(url, max_size=None, compression=None, additional_headers=headers) as ws:
         first = await asyncio.wait_for(ws.recv(), READ_LIMIT_S)
         if not isinstance(first, bytes):
