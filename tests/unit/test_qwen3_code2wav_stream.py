@@ -123,9 +123,19 @@ def test_float64_streaming_is_exact_to_rounding() -> None:
     torch.testing.assert_close(undelayed(stream, got).double(), full_decode(model, codes)[0], atol=1e-7, rtol=0)
 
 
-def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward() -> None:
-    model = tiny_code2wav(window=4)
-    stream = Code2WavStream(model, 4, "cpu", torch.float32)
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA the pushes replay captured graphs (one per rows-and-frames shape), fresh rows masked inside them; the
+    # convolutions run in true float32 there (cuDNN's default TF32 would differ by ~1e-3 between any two splits).
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = tiny_code2wav(window=4).to(device)
+    stream = Code2WavStream(model, 4, device, torch.float32)
+    assert stream.graphs == (device == "cuda")
     rng = random.Random(5)
     codes = {name: random_codes(1, 20, seed=10 + i)[0] for i, name in enumerate("abcd")}
     joins = {"a": 0, "b": 2, "c": 3, "d": 7}  # the step at which each session starts
@@ -150,7 +160,7 @@ def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward() -> N
                 stream.close(rows[name])
         step += 1
     for name in codes:
-        expected = full_decode(model, codes[name][None])[0]
+        expected = full_decode(model, codes[name][None].to(device))[0]
         torch.testing.assert_close(undelayed(stream, torch.cat(heard[name])), expected, atol=ATOL_F32, rtol=0)
 
 
