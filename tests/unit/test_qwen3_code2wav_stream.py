@@ -124,17 +124,22 @@ def test_float64_streaming_is_exact_to_rounding() -> None:
 
 
 @pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+    ("device", "pad_rows"),
+    [
+        ("cpu", False),
+        ("cpu", True),
+        pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
 )
 def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward(
-    device: str, monkeypatch: pytest.MonkeyPatch
+    device: str, pad_rows: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # On CUDA the pushes replay captured graphs (one per rows-and-frames shape), fresh rows masked inside them; the
+    # With pad_rows, pushes of 3 rows run as batches of 4 (the scratch row fills them). On CUDA the pushes replay
+    # captured graphs (one per bucket and frame count), fresh rows masked inside them, rows padded by default; the
     # convolutions run in true float32 there (cuDNN's default TF32 would differ by ~1e-3 between any two splits).
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model = tiny_code2wav(window=4).to(device)
-    stream = Code2WavStream(model, 4, device, torch.float32)
+    stream = Code2WavStream(model, 5, device, torch.float32, pad_rows=pad_rows)
     assert stream.graphs == (device == "cuda")
     rng = random.Random(5)
     codes = {name: random_codes(1, 20, seed=10 + i)[0] for i, name in enumerate("abcd")}

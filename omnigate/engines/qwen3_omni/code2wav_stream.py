@@ -31,7 +31,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.codec.mimi_stream import SlotKvLayers
-from omnigate.engines.duplex.graphs import CapturedCall
+from omnigate.engines.duplex.graphs import CapturedCall, batch_buckets
 from omnigate.kernels.conv import conv_transpose1d
 
 DEFAULT_MAX_FRAMES = 300
@@ -213,7 +213,8 @@ class Code2WavStream:
     With ``graphs`` (the default on CUDA), each (rows, frames) shape of push is captured once as a CUDA graph and
     replayed: a push then costs its kernels' device time instead of launching several hundred small kernels from
     Python. At most ``max_graphs`` shapes are kept (least recently used dropped); an extra scratch row absorbs the
-    capture's warm-up.
+    capture's warm-up. With ``pad_rows`` (the default with graphs) a push's rows are padded with that scratch row
+    up to the next batch bucket (powers of two, and ``max_rows``), so however many sessions push, a few shapes serve.
     """
 
     def __init__(
@@ -226,6 +227,7 @@ class Code2WavStream:
         max_frames: int = DEFAULT_MAX_FRAMES,
         graphs: bool | None = None,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
+        pad_rows: bool | None = None,
     ) -> None:
         if max_rows < 1 or max_frames < 1 or max_graphs < 1:
             raise ValueError("max_rows, max_frames and max_graphs must be positive")
@@ -238,6 +240,7 @@ class Code2WavStream:
             raise ValueError("CUDA graphs need a CUDA device")
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple[int, int], CapturedCall] = OrderedDict()
+        self._buckets = batch_buckets(max_rows) if (self.graphs if pad_rows is None else pad_rows) else ()
         # One row past the sessions' rows: the scratch row that graph captures warm up on.
         self._scratch = max_rows
         slots = max_rows + 1
@@ -334,15 +337,23 @@ class Code2WavStream:
         device."""
         self._check(rows, codes)
         fresh = [self._fresh[row] for row in rows]
+        count = len(rows)
+        padded = next((size for size in self._buckets if size >= count), count)
+        if padded > count:
+            # The scratch row fills the bucket: its state takes the (repeated) writes and is never read.
+            rows = [*rows, *([self._scratch] * (padded - count))]
+            fresh += [True] * (padded - count)
+            filler = codes.new_zeros(padded - count, codes.shape[1], codes.shape[2])
+            codes = torch.cat((codes, filler))
         if self.graphs:
             wav = self._replay(rows, codes, fresh)
         else:
             index = torch.tensor(list(rows), device=self.device)
             fresh_rows = torch.tensor(fresh, device=self.device) if any(fresh) else None
             wav = self._decode(codes.to(self.device), index, fresh_rows)
-        for row in rows:
+        for row in rows[:count]:
             self._fresh[row] = False
-        return wav
+        return wav[:count]
 
     def _decode(self, codes: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:
         """The push itself, on device tensors only (no host reads: a CUDA graph captures it)."""
