@@ -141,6 +141,8 @@ def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward(
     model = tiny_code2wav(window=4).to(device)
     stream = Code2WavStream(model, 5, device, torch.float32, pad_rows=pad_rows)
     assert stream.graphs == (device == "cuda")
+    for frames in (1, 2, 3):
+        stream.prepare(frames)  # on CUDA, the pushes below replay these graphs
     rng = random.Random(5)
     codes = {name: random_codes(1, 20, seed=10 + i)[0] for i, name in enumerate("abcd")}
     joins = {"a": 0, "b": 2, "c": 3, "d": 7}  # the step at which each session starts
@@ -211,6 +213,7 @@ def test_limits_are_typed_errors() -> None:
         "negative code": lambda: stream.push([a], codes[:1] - CODEBOOK),
         "a closed row": lambda: (stream.close(b), stream.push([b], codes[:1])),
         "no rows": lambda: stream.push([], codes[:0]),
+        "graphs for too many frames": lambda: stream.prepare(5),
     }
     for why, call in refused.items():
         with pytest.raises(InvalidPush) as refusal:

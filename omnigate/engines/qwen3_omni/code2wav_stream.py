@@ -374,8 +374,25 @@ class Code2WavStream:
         x = self._convs[model.decoder[-1]](self._snakes[model.decoder[-2]](x), index, preroll)
         return preroll.mask(x, self.delay_samples)[:, 0].clamp(min=-1, max=1).float()
 
+    @torch.no_grad()
+    def prepare(self, frames: int = 1) -> None:
+        """Capture now the graphs of pushes of ``frames`` frames for every row bucket, so that no session's push
+        waits for a capture (a few pushes' time each) when the number of speaking sessions first reaches a bucket.
+        Does nothing without graphs or without ``pad_rows``."""
+        if not 1 <= frames <= self.max_frames:
+            raise InvalidPush(f"a push carries 1 to {self.max_frames} frames, got {frames}", "frames")
+        if self.graphs:
+            for size in self._buckets:
+                self._graph(size, frames)
+
     def _replay(self, rows: Sequence[int], codes: torch.Tensor, fresh: list[bool]) -> torch.Tensor:
-        key = (len(rows), int(codes.shape[-1]))
+        graph = self._graph(len(rows), int(codes.shape[-1]))
+        # Copied into the graph's buffers from wherever they lie (the codes usually from the host).
+        inputs = (codes, torch.tensor(list(rows)), torch.tensor(fresh))
+        return graph.run(inputs)[0].clone()
+
+    def _graph(self, batch: int, frames: int) -> CapturedCall:
+        key = (batch, frames)
         graph = self._graphs.get(key)
         if graph is None:
             while len(self._graphs) >= self.max_graphs:
@@ -390,9 +407,7 @@ class Code2WavStream:
             graph = self._graphs[key] = CapturedCall(lambda *inputs: (self._decode(*inputs),), harmless)
             self._zero_row(self._scratch)
         self._graphs.move_to_end(key)
-        # Copied into the graph's buffers from wherever they lie (the codes usually from the host).
-        inputs = (codes, torch.tensor(list(rows)), torch.tensor(fresh))
-        return graph.run(inputs)[0].clone()
+        return graph
 
     def _convnext(self, block: Any, x: torch.Tensor, index: torch.Tensor, preroll: _Preroll) -> torch.Tensor:
         h = self._convs[block.dwconv](x, index, preroll).permute(0, 2, 1)
