@@ -84,21 +84,20 @@ def test_the_rolling_window_equals_a_recompute_that_sees_only_the_window(transfo
     assert (unbounded[:, :, 3 * CHUNK :] - full[:, :, 3 * CHUNK :]).abs().max() > 1e-3
 
 
-def test_streams_with_caches_of_different_lengths_batch_to_the_same_results(transformer: Any) -> None:
-    context = random(1, 16, 32, seed=4)
-    long_chunks = [random(1, 16, CHUNK, 8, 8, seed=30 + i) for i in range(3)]
-    short_chunks = [random(1, 16, CHUNK, 8, 8, seed=40 + i) for i in range(2)]
-    alone_long, long_cache = chunked(transformer, long_chunks, 250.0, context, window=12)
-    alone_short, short_cache = chunked(transformer, short_chunks, 1000.0, context, window=12)
-    fresh = random(1, 16, CHUNK, 8, 8, seed=50)
-    alone_fresh, _ = causal_forward(transformer, fresh, torch.full((1, CHUNK), 600.0), context, [ChunkKvCache(12)])
-    batch = torch.cat([long_chunks[-1], short_chunks[-1], fresh])
-    timesteps = torch.tensor([[250.0] * CHUNK, [1000.0] * CHUNK, [600.0] * CHUNK])
-    together, _ = causal_forward(
-        transformer, batch, timesteps, context.expand(3, -1, -1), [long_cache, short_cache, ChunkKvCache(12)]
-    )
-    for row, alone in enumerate((alone_long, alone_short, alone_fresh)):
-        assert (together[row : row + 1] - alone).abs().max() < TOLERANCE
+def test_streams_batched_in_one_forward_get_what_each_gets_alone(transformer: Any) -> None:
+    contexts = [random(1, 16, 32, seed=4), random(1, 16, 32, seed=5)]
+    streams = [[random(1, 16, CHUNK, 8, 8, seed=30 + 10 * s + i) for i in range(3)] for s in range(2)]
+    alone = [
+        chunked(transformer, chunks, t, context, window=12)
+        for chunks, t, context in zip(streams, (250.0, 1000.0), contexts, strict=True)
+    ]
+    batch = torch.cat([chunks[-1] for chunks in streams])
+    timesteps = torch.tensor([[250.0] * CHUNK, [1000.0] * CHUNK])
+    together, _ = causal_forward(transformer, batch, timesteps, torch.cat(contexts), [cache for _, cache in alone])
+    for row, (out, _) in enumerate(alone):
+        assert (together[row : row + 1] - out).abs().max() < TOLERANCE
+    with pytest.raises(ValueError, match="same number of frames"):
+        causal_forward(transformer, batch, timesteps, torch.cat(contexts), [alone[0][1], ChunkKvCache(12)])
 
 
 def test_few_step_sigmas_are_self_forcings_warped_timesteps() -> None:

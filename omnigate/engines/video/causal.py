@@ -54,7 +54,7 @@ class ChunkKvCache:
                 for (k, v), (new_k, new_v) in zip(self.layers, chunk, strict=True)
             ]
         else:
-            self.layers = [(k.contiguous(), v.contiguous()) for k, v in chunk]
+            self.layers = [(k.clone(), v.clone()) for k, v in chunk]  # not views holding a whole batch's keys
         tokens_per_frame = int(chunk[0][0].shape[1]) // frames
         self.chunk_frames.append(frames)
         dropped = 0
@@ -122,10 +122,10 @@ def causal_forward(
     """One forward of the Wan transformer over ``latents`` ``(batch, C, frames, h, w)``.
 
     ``timesteps`` ``(batch, frames)``: each latent frame's timestep. ``context``: the text embeddings
-    ``(batch, L, text_dim)``. With ``caches`` (one per sample, None for none), the latents are each sample's next
-    chunk and attend to their cache and to themselves. Without, ``chunk_frames`` splits the latents into chunks that
-    attend block-causally (the full recompute), each to at most ``window`` latent frames of earlier chunks (whole
-    chunks, as the cache keeps them); None means one chunk (all bidirectional, as Wan itself).
+    ``(batch, L, text_dim)``. With ``caches`` (one per sample, all holding the same number of frames), the latents
+    are each sample's next chunk and attend to their cache and to themselves. Without, ``chunk_frames`` splits the
+    latents into chunks that attend block-causally (the full recompute), each to at most ``window`` latent frames of
+    earlier chunks (whole chunks, as the cache keeps them); None means one chunk (all bidirectional, as Wan itself).
 
     Returns the flow prediction (like ``latents``) and, per layer, the new tokens' keys (before rotation) and values:
     what :meth:`ChunkKvCache.append` takes once the chunk is clean.
@@ -139,25 +139,18 @@ def causal_forward(
     tokens = frames * tokens_hw
     device = latents.device
 
-    # Where each token sits in time: new frames follow the frames in the sample's cache.
-    cached = [0 if cache is None else cache.frames for cache in (caches or [None] * batch)]
-    cached_tokens = [0 if cache is None or not cache.layers else cache.tokens for cache in (caches or [None] * batch)]
-    prefix = max(cached_tokens)
-    new_frame = torch.tensor(cached, device=device).view(batch, 1) + torch.arange(frames, device=device).view(1, -1)
-    query_frame = new_frame.repeat_interleave(tokens_hw, dim=1)
+    # Where each token sits in time: new frames follow the frames in the sample's cache. A batch's caches hold the
+    # same number of frames, so no key is padding (a mask would cost a (batch, heads, queries, keys) bias).
+    lengths = {(0, 0) if cache is None or not cache.layers else (cache.frames, cache.tokens) for cache in caches or []}
+    if len(lengths) > 1:
+        raise ValueError("the caches of one batch must hold the same number of frames")
+    cached, prefix = lengths.pop() if lengths else (0, 0)
+    query_frame = (cached + torch.arange(frames, device=device)).repeat_interleave(tokens_hw).expand(batch, -1)
     q_cos, q_sin = _rotary_tables(transformer, query_frame, tokens_hw, pph, ppw)
     mask: torch.Tensor | None = None
     if prefix:
-        # Caches of different lengths are left-padded to the longest; padding is masked out.
-        padding = [prefix - n for n in cached_tokens]
-        slot = torch.arange(prefix, device=device).view(1, -1)
-        pad = torch.tensor(padding, device=device).view(batch, 1)
-        prefix_frame = ((slot - pad).clamp(min=0) // tokens_hw).to(new_frame.dtype)
-        key_frame = torch.cat([prefix_frame, query_frame], dim=1)
+        key_frame = torch.arange(cached + frames, device=device).repeat_interleave(tokens_hw).expand(batch, -1)
         k_cos, k_sin = _rotary_tables(transformer, key_frame, tokens_hw, pph, ppw)
-        if any(padding):
-            valid = torch.cat([slot >= pad, torch.ones(batch, tokens, dtype=torch.bool, device=device)], dim=1)
-            mask = valid.view(batch, 1, 1, -1)
     else:
         k_cos, k_sin = q_cos, q_sin
         if chunk_frames is not None and chunk_frames < frames:
@@ -215,14 +208,9 @@ def _block(
     value = attn.to_v(normed).unflatten(2, (attn.heads, -1))
     new_kv.append((key, value))
     if prefix:
-        past_k, past_v = [], []
-        for entry in layer_cache:
-            k, v = (key[:1, :0], value[:1, :0]) if entry is None else entry
-            missing = prefix - k.shape[1]
-            past_k.append(F.pad(k, (0, 0, 0, 0, missing, 0)))
-            past_v.append(F.pad(v, (0, 0, 0, 0, missing, 0)))
-        key = torch.cat([torch.cat(past_k), key], dim=1)
-        value = torch.cat([torch.cat(past_v), value], dim=1)
+        past = [entry for entry in layer_cache if entry is not None]
+        key = torch.cat([torch.cat([k for k, _ in past]), key], dim=1)
+        value = torch.cat([torch.cat([v for _, v in past]), value], dim=1)
     query = _rotate(query, *query_rope).type_as(value)
     key = _rotate(key, *key_rope).type_as(value)
     out = F.scaled_dot_product_attention(

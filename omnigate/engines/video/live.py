@@ -4,8 +4,8 @@ Each generation (a live stream, or a clip of ``num_frames``) runs in chunks of l
 the chunk's noise, each a block-causal forward over the chunk that attends to the stream's KV cache; the clean
 chunk goes through the stream's streaming VAE decoder at once and out as one frame group; then one more forward at
 timestep 0 writes the clean chunk into the cache (Self-Forcing's order), whose rolling window drops the oldest
-chunks. The forwards of all streams that have one to run, at the same size, go through the transformer as one
-batch, whatever step each is at.
+chunks. The forwards of all streams that have one to run, at the same size and cache length (every stream once its
+window is full), go through the transformer as one batch, whatever step each is at.
 
 A live stream's prompt can change while it runs (:meth:`LiveJob.set_prompt`): the chunk in progress finishes with
 the old prompt, the next one is generated with the new (a :class:`PromptUpdated` before its frames), and the cache
@@ -230,8 +230,9 @@ class LiveVideoEngine(VideoEngine):
         return None, [job for job in forward if self._batch_key(job) == key]
 
     @staticmethod
-    def _batch_key(job: LiveJob) -> tuple[int, int, int]:
-        return job.request.width, job.request.height, job.chunk_size
+    def _batch_key(job: LiveJob) -> tuple[int, int, int, int]:
+        """Forwards batch when their chunks and caches have the same shapes."""
+        return job.request.width, job.request.height, job.chunk_size, job.cache.frames
 
     def _run(self) -> None:
         name_os_thread()
