@@ -221,7 +221,7 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
         encode_s.append(encoded - start)
         mux_s.append(time.perf_counter() - encoded)
     config = model.transformer.config
-    tokens = (args.height // scale) * (args.width // scale) * args.chunk
+    tokens = (args.height // model.size_multiple) * (args.width // model.size_multiple) * args.chunk  # patches
     window_tokens = tokens // args.chunk * (args.cache_frames + args.chunk)
     dim = int(config.num_attention_heads) * int(config.attention_head_dim)
     params = sum(p.numel() for p in model.transformer.blocks.parameters())
