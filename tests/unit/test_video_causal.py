@@ -8,6 +8,7 @@ CPU; the tolerance (2e-5 absolute on outputs of unit scale) covers summation ord
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,33 @@ def test_live_requests_outside_the_limits_are_refused_before_any_work() -> None:
     with pytest.raises(EngineError) as refused:
         whole_clip.submit(whole_clip.resolve("x", live=True))
     assert refused.value.code == "live_unsupported"
+
+
+def wait_until(predicate: Any, limit_s: float = 60.0) -> None:
+    """Poll the worker's state; the deadline only bounds a failing run."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the engine never reached the expected state"
+        time.sleep(0.01)
+
+
+def test_a_live_stream_nobody_reads_parks_on_its_frame_credit() -> None:
+    engine = VideoEngine.load("preset:tiny-causal", max_frames_in_flight="12")
+    assert isinstance(engine, LiveVideoEngine)
+    engine.start()
+    try:
+        job = engine.submit(engine.resolve("a fox", live=True, seed=1))
+        wait_until(lambda: job.parked)
+        # The first chunk (9 frames) is out and unread: the next (12) does not fit 12 frames of credit.
+        assert (engine.chunks_decoded, job.in_flight) == (1, 9)
+        first = job.wait_output(1)
+        assert isinstance(first, FrameGroup) and first.chunk_index == 0
+        job.consumed(first.count)
+        second = job.wait_output(60)
+        assert isinstance(second, FrameGroup) and second.chunk_index == 1
+        wait_until(lambda: job.parked)
+        assert engine.chunks_decoded == 2
+        job.cancel()
+        assert isinstance(job.wait_output(60), VideoDone)
+    finally:
+        engine.stop()

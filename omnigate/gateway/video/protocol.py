@@ -5,7 +5,8 @@ Client events: ``video.create`` {prompt, width, height, num_frames, fps, steps, 
 chunk_frames} (all but the prompt optional: the model's defaults), ``video.prompt`` {prompt} (a live stream's new
 prompt), ``video.cancel``, ``session.close``. Server: ``video.start`` {mime, width, height, fps, num_frames, seed,
 live}, ``video.chunk`` {index, frames, prompt_id} before each chunk's media (chunk-causal models),
-``video.prompt.updated`` {prompt_id, chunk_index}, ``video.done`` {status, frames, bytes, stats, code}, and
+``video.prompt.accepted`` {prompt_id} (at once), ``video.prompt.updated`` {prompt_id, chunk_index} (before the
+first chunk generated with it), ``video.done`` {status, frames, bytes, stats, code}, and
 ``error`` {code, message, param} for a bad message, after which the session stays usable.
 """
 
