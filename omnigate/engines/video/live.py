@@ -199,7 +199,7 @@ class LiveVideoEngine(VideoEngine):
 
     # ---- the worker thread ------------------------------------------------------------------------------------
 
-    def _chunk_pixels_frames(self, job: LiveJob, size: int) -> int:
+    def _chunk_video_frames(self, job: LiveJob, size: int) -> int:
         """Video frames a chunk of ``size`` latent frames decodes to."""
         first = 1 if job.latents_done == 0 else 0
         return size * self.model.temporal_scale - first * (self.model.temporal_scale - 1)
@@ -209,7 +209,7 @@ class LiveVideoEngine(VideoEngine):
         return job.request.chunk_frames if remaining is None else min(job.request.chunk_frames, remaining)
 
     def _can_start(self, job: LiveJob) -> bool:
-        needed = self._chunk_pixels_frames(job, self._next_chunk_size(job))
+        needed = self._chunk_video_frames(job, self._next_chunk_size(job))
         return job.in_flight == 0 or job.in_flight + needed <= self.options.max_frames_in_flight
 
     def _pick(self) -> tuple[LiveJob | None, list[LiveJob]]:
