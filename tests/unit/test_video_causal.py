@@ -121,6 +121,11 @@ def test_a_self_forcing_checkpoint_round_trips_through_disk(tmp_path: Path) -> N
     assert all(torch.equal(tensor, loaded[name]) for name, tensor in source.state_dict().items())
     other = build_preset("tiny-causal", seed=99).transformer.state_dict()
     assert not torch.equal(other["blocks.0.attn1.to_q.weight"], loaded["blocks.0.attn1.to_q.weight"])
+    # On a whole-clip base (its text encoder and VAE), the generator still runs chunk-causal: few steps, unguided.
+    on_clip_base = VideoEngine.load(str(path), causal_base="preset:tiny")
+    assert isinstance(on_clip_base, LiveVideoEngine)
+    assert (on_clip_base.model.defaults.steps, on_clip_base.model.defaults.guidance_scale) == (4, 1.0)
+    on_clip_base.validate(on_clip_base.resolve("a fox", live=True))
 
 
 def test_a_checkpoint_that_does_not_fit_the_base_is_refused(tmp_path: Path) -> None:

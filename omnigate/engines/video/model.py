@@ -8,7 +8,7 @@ own dtype (float32 by default, as Wan runs it) whatever the transformer's dtype.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -214,9 +214,12 @@ def load_generator_checkpoint(
         load_generator_weights(path, model.transformer, key)
     except CheckpointError as exc:
         raise ModelSpecError(str(exc)) from None
+    if not model.causal:
+        # A whole-clip base (a Wan directory) has Wan's 50 guided steps as defaults; the generator runs 4 unguided.
+        causal = PRESETS[WAN_CAUSAL_PRESET].defaults
+        model.defaults = replace(model.defaults, steps=causal.steps, guidance_scale=causal.guidance_scale)
     model.name = str(path)
     model.causal = True
-    model.defaults = PRESETS[WAN_CAUSAL_PRESET].defaults if not base.startswith(PRESET_PREFIX) else model.defaults
     return model
 
 
