@@ -118,6 +118,7 @@ async def test_invalid_requests_are_refused_before_any_work_and_the_session_surv
             ({**CLIP, "colour": "red"}, "invalid_event", "colour"),
             ({"width": 64}, "invalid_event", "prompt"),
             ({**CLIP, "model": "sora"}, "model_not_found", "model"),
+            ({**CLIP, "num_frames": None, "live": True}, "live_unsupported", "live"),  # a whole-clip model
         ]
         for fields, code, param in bad:
             await send(ws, "video.create", **fields)

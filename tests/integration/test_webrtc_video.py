@@ -354,3 +354,35 @@ async def test_a_call_that_never_connects_is_reaped() -> None:
         assert server.gateway.registry.active.get(TRANSPORT, 0) == 0
         assert never.pc.connectionState == "closed"
         assert never.end_reason == "ice_timeout"
+
+
+async def test_a_live_stream_plays_on_the_track_and_follows_a_new_prompt() -> None:
+    # Three seconds of live video at 16 fps: 48 frames in chunks of 9, 12, 12, 12 and the last 3.
+    settings = Settings(
+        engine="synthetic",
+        video_model="preset:tiny-causal",
+        video_options={"max_live_seconds": "3"},
+        webrtc_host_addresses=LOOPBACK,
+    )
+    with serve(settings) as server:
+        async with video_call(server) as peer:
+            live = {key: value for key, value in CLIP.items() if key != "num_frames"}
+            peer.send("video.create", **live, live=True, seed=1)
+            start = await peer.next_event("video.start")
+            first = await peer.next_event("video.chunk")
+            peer.send("video.prompt", prompt="a grey wolf under the moon")
+            accepted = await peer.next_event("video.prompt.accepted")
+            updated = await peer.next_event("video.prompt.updated")
+            done = await peer.next_event("video.done")
+            await peer.until(lambda: len(peer.noise_frames(96, 64)) >= 2)
+    assert (start["live"], start["num_frames"]) == (True, None)
+    assert (first["index"], first["frames"], first["prompt_id"]) == (0, 9, 0)
+    assert accepted["prompt_id"] == updated["prompt_id"] == 1
+    chunks = peer.of("video.chunk")
+    # The chunk after the first may have been under way when the prompt came; the one after it has the new prompt.
+    assert updated["chunk_index"] <= 2
+    assert peer.events.index(updated) < peer.events.index(chunks[updated["chunk_index"]])
+    assert [c["prompt_id"] for c in chunks] == [int(c["index"] >= updated["chunk_index"]) for c in chunks]
+    assert [c["frames"] for c in chunks] == [9, 12, 12, 12, 3]
+    assert (done["status"], done["code"], done["frames"]) == ("completed", "max_duration", 48)
+    assert not peer.of("error")

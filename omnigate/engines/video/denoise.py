@@ -115,14 +115,19 @@ class Denoiser:
 
     def vae_latents(self) -> torch.Tensor:
         """The denoised latents de-normalised for the VAE, on its device and in its dtype."""
-        vae = self.model.vae
-        latents = self.latents.to(vae.device, dtype=vae.dtype)
-        channels = int(vae.config.z_dim)
-        mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        return latents / inverse_std + mean  # written as WanPipeline writes it, so the rounding matches
+        return vae_latents(self.model, self.latents)
+
+
+def vae_latents(model: VideoModel, latents: torch.Tensor) -> torch.Tensor:
+    """Denoised latents de-normalised for the VAE, on its device and in its dtype."""
+    vae = model.vae
+    latents = latents.to(vae.device, dtype=vae.dtype)
+    channels = int(vae.config.z_dim)
+    mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(
+        latents.device, latents.dtype
+    )
+    return latents / inverse_std + mean  # written as WanPipeline writes it, so the rounding matches
 
 
 def to_unit_range(video: torch.Tensor) -> torch.Tensor:

@@ -213,7 +213,8 @@ class VideoEngine:
 
     @classmethod
     def load(cls, model: str | None, **options: Any) -> VideoEngine:
-        """Build from a model spec (``preset:NAME`` or a Diffusers directory) and string or typed options."""
+        """Build from a model spec (``preset:NAME``, a Diffusers directory, a Self-Forcing checkpoint) and string or
+        typed options; a chunk-causal model gets a :class:`~omnigate.engines.video.live.LiveVideoEngine`."""
         try:
             parsed = msgspec.convert(options, VideoOptions, strict=False)
         except msgspec.ValidationError as exc:
@@ -225,7 +226,14 @@ class VideoEngine:
             vae_dtype=parsed.vae_dtype,
             seed=parsed.seed,
             max_sequence_length=parsed.max_sequence_length,
+            causal_base=parsed.causal_base,
+            checkpoint_key=parsed.checkpoint_key,
         )
+        if loaded.causal:
+            # Imported here: the live engine builds on this module.
+            from omnigate.engines.video.live import LiveVideoEngine
+
+            return LiveVideoEngine(loaded, parsed)
         return cls(loaded, parsed)
 
     # ---- requests ---------------------------------------------------------------------------------------------
@@ -241,14 +249,19 @@ class VideoEngine:
         steps: int | None = None,
         seed: int | None = None,
         guidance_scale: float | None = None,
+        live: bool = False,
+        chunk_frames: int | None = None,
     ) -> VideoRequest:
-        """A request with the model's defaults for what is not given (a random seed if none)."""
+        """A request with the model's defaults for what is not given (a random seed if none); a live one has no
+        frame count."""
         defaults = self.model.defaults
         return VideoRequest(
             prompt=prompt,
+            live=live,
+            chunk_frames=defaults.chunk_frames if chunk_frames is None else chunk_frames,
             width=defaults.width if width is None else width,
             height=defaults.height if height is None else height,
-            num_frames=defaults.num_frames if num_frames is None else num_frames,
+            num_frames=0 if live else defaults.num_frames if num_frames is None else num_frames,
             fps=defaults.fps if fps is None else fps,
             steps=defaults.steps if steps is None else steps,
             seed=secrets.randbelow(2**31) if seed is None else seed,
@@ -269,11 +282,15 @@ class VideoEngine:
                 raise EngineError("shutting_down", "the video engine is shutting down")
             if len(self._jobs) >= self.options.max_sessions:
                 raise EngineError("server_busy", f"all {self.options.max_sessions} video generation slots are in use")
-            job = VideoJob(self, request, loop)
+            job = self._new_job(request, loop)
             job._record("admitted", 0)
             self._jobs.append(job)
             self._cond.notify_all()
         return job
+
+    def _new_job(self, request: VideoRequest, loop: asyncio.AbstractEventLoop | None) -> VideoJob:
+        """The job of an admitted request (lock held); raises :class:`EngineError` to refuse it."""
+        return VideoJob(self, request, loop)
 
     @property
     def active(self) -> int:

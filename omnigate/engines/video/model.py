@@ -8,7 +8,7 @@ own dtype (float32 by default, as Wan runs it) whatever the transformer's dtype.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
+from omnigate.engines.video.checkpoint import CheckpointError, CheckpointKey, load_generator_weights
 from omnigate.engines.video.presets import PRESETS, VideoDefaults
 from omnigate.engines.video.tokenizer import byte_level_tokenizer
 
@@ -32,6 +33,9 @@ _WAN_TRANSFORMER: Any = WanTransformer3DModel
 _WAN_VAE: Any = AutoencoderKLWan
 _UNIPC: Any = UniPCMultistepScheduler
 _WAN_PIPELINE: Any = WanPipeline
+WAN_CAUSAL_PRESET = "wan-1.3b-causal"
+# Where a Self-Forcing checkpoint takes its shapes, text encoder and VAE unless told otherwise.
+DEFAULT_CAUSAL_BASE = PRESET_PREFIX + WAN_CAUSAL_PRESET
 # Wan's default prompt length; presets may use a shorter one.
 DIRECTORY_MAX_SEQUENCE_LENGTH = 512
 
@@ -53,6 +57,7 @@ class VideoModel:
     random_weights: bool
     defaults: VideoDefaults
     max_sequence_length: int
+    causal: bool = False  # chunk-causal (served by the live engine), or a whole-clip model
 
     @property
     def device(self) -> torch.device:
@@ -146,6 +151,7 @@ def build_preset(
         random_weights=True,
         defaults=preset.defaults,
         max_sequence_length=preset.max_sequence_length,
+        causal=preset.causal,
     )
 
 
@@ -191,6 +197,32 @@ def save_directory(model: VideoModel, path: Path) -> None:
     pipeline.save_pretrained(path)
 
 
+def load_generator_checkpoint(
+    path: Path,
+    *,
+    base: str,
+    key: CheckpointKey,
+    device: str = "cpu",
+    dtype: str = "float32",
+    vae_dtype: str = "float32",
+    seed: int = 0,
+) -> VideoModel:
+    """A chunk-causal model: ``base`` (a causal preset or a Wan directory) with its transformer's weights from the
+    Self-Forcing checkpoint at ``path``; the base gives the shapes, the text encoder and the VAE."""
+    model = load_video_model(base, device=device, dtype=dtype, vae_dtype=vae_dtype, seed=seed)
+    try:
+        load_generator_weights(path, model.transformer, key)
+    except CheckpointError as exc:
+        raise ModelSpecError(str(exc)) from None
+    if not model.causal:
+        # A whole-clip base (a Wan directory) has Wan's 50 guided steps as defaults; the generator runs 4 unguided.
+        causal = PRESETS[WAN_CAUSAL_PRESET].defaults
+        model.defaults = replace(model.defaults, steps=causal.steps, guidance_scale=causal.guidance_scale)
+    model.name = str(path)
+    model.causal = True
+    return model
+
+
 def load_video_model(
     spec: str | None,
     *,
@@ -199,8 +231,11 @@ def load_video_model(
     vae_dtype: str = "float32",
     seed: int = 0,
     max_sequence_length: int | None = None,
+    causal_base: str = DEFAULT_CAUSAL_BASE,
+    checkpoint_key: CheckpointKey = "generator",
 ) -> VideoModel:
-    """Resolve a model spec: ``preset:NAME`` or a directory. ``max_sequence_length`` overrides the model's."""
+    """Resolve a model spec: ``preset:NAME``, a directory, or a Self-Forcing checkpoint file (its transformer on
+    ``causal_base``'s text encoder and VAE). ``max_sequence_length`` overrides the model's."""
     if not spec:
         raise ModelSpecError("the video engine needs a model: a Wan 2.1 Diffusers directory or preset:NAME")
     if dtype not in TORCH_DTYPES or vae_dtype not in TORCH_DTYPES:
@@ -211,8 +246,12 @@ def load_video_model(
             model.max_sequence_length = max_sequence_length
         return model
     path = Path(spec).expanduser()
+    if path.is_file():
+        return load_generator_checkpoint(
+            path, base=causal_base, key=checkpoint_key, device=device, dtype=dtype, vae_dtype=vae_dtype, seed=seed
+        )
     if not path.is_dir():
-        raise ModelSpecError(f"video model {spec!r} is neither preset:NAME nor a directory")
+        raise ModelSpecError(f"video model {spec!r} is neither preset:NAME, a directory nor a checkpoint file")
     return load_directory(
         path,
         device=device,

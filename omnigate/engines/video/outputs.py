@@ -29,6 +29,9 @@ class FrameGroup(msgspec.Struct, frozen=True):
     latent_index: int
     first_frame: int
     frames: npt.NDArray[np.uint8]  # (n, height, width, 3) RGB
+    # Chunk-causal generation hands out one group per chunk of latent frames: its index and the prompt it followed.
+    chunk_index: int | None = None
+    prompt_id: int | None = None
 
     @property
     def count(self) -> int:
@@ -46,7 +49,15 @@ class VideoDone(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
-VideoOutput = FrameGroup | VideoDone
+class PromptUpdated(msgspec.Struct, frozen=True):
+    """A live stream's new prompt takes effect: ``chunk_index`` is the first chunk generated with it (handed out
+    before that chunk's frames)."""
+
+    prompt_id: int
+    chunk_index: int
+
+
+VideoOutput = FrameGroup | PromptUpdated | VideoDone
 
 
 def decoded_before_first_consumed(timeline: tuple[TimelineEvent, ...]) -> int:

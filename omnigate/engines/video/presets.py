@@ -26,6 +26,7 @@ class VideoDefaults:
     fps: int = 16
     steps: int = 50
     guidance_scale: float = 5.0
+    chunk_frames: int = 3  # latent frames per chunk (chunk-causal models only)
 
 
 # Wan 2.1's scheduler as its Diffusers-format checkpoints publish it (flow matching through UniPC, shift 3.0: 480p).
@@ -52,6 +53,8 @@ class VideoPreset:
     max_sequence_length: int
     defaults: VideoDefaults
     scheduler: dict[str, Any] = field(default_factory=lambda: dict(WAN_SCHEDULER))
+    # Chunk-causal (Self-Forcing-style): generated chunk by chunk with a KV cache and a few flow steps per chunk.
+    causal: bool = False
 
 
 def _umt5(d_model: int, *, d_kv: int, d_ff: int, num_layers: int, num_heads: int) -> dict[str, Any]:
@@ -124,4 +127,26 @@ WAN_1_3B = VideoPreset(
     defaults=VideoDefaults(),
 )
 
-PRESETS: dict[str, VideoPreset] = {preset.name: preset for preset in (TINY, WAN_1_3B)}
+# The chunk-causal presets: the same shapes, run block-causally over chunks of latent frames with few steps and no
+# classifier-free guidance (as Self-Forcing's distilled Wan2.1-T2V-1.3B generator runs).
+TINY_CAUSAL = VideoPreset(
+    name="tiny-causal",
+    transformer=TINY.transformer,
+    vae=TINY.vae,
+    text_encoder=TINY.text_encoder,
+    max_sequence_length=TINY.max_sequence_length,
+    defaults=VideoDefaults(width=64, height=64, num_frames=9, fps=8, steps=4, guidance_scale=1.0),
+    causal=True,
+)
+
+WAN_1_3B_CAUSAL = VideoPreset(
+    name="wan-1.3b-causal",
+    transformer=WAN_1_3B.transformer,
+    vae=WAN_1_3B.vae,
+    text_encoder=WAN_1_3B.text_encoder,
+    max_sequence_length=WAN_1_3B.max_sequence_length,
+    defaults=VideoDefaults(num_frames=81, fps=16, steps=4, guidance_scale=1.0),
+    causal=True,
+)
+
+PRESETS: dict[str, VideoPreset] = {preset.name: preset for preset in (TINY, WAN_1_3B, TINY_CAUSAL, WAN_1_3B_CAUSAL)}

@@ -25,6 +25,8 @@ class VideoRequest(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     seed: int
     guidance_scale: float = 5.0
+    live: bool = False  # generated chunk by chunk until cancelled (num_frames is then 0)
+    chunk_frames: int = 3  # latent frames per chunk (chunk-causal models)
 
     @property
     def pixels(self) -> int:
@@ -52,6 +54,16 @@ class VideoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # spatial VAE tiling in video pixels (None: decode whole frames); equal to diffusers' tiled decode, not exact
     vae_tile: Annotated[int, msgspec.Meta(ge=64)] | None = None
     vae_tile_stride: Annotated[int, msgspec.Meta(ge=8)] | None = None  # None: three quarters of the tile
+    # Chunk-causal models (live streams):
+    max_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=21)] = 4  # latent frames per chunk
+    max_chunk_steps: Annotated[int, msgspec.Meta(ge=1, le=50)] = 8  # denoising steps per chunk
+    max_frame_pixels: Annotated[int, msgspec.Meta(ge=1)] = 832 * 480  # width * height of a live stream
+    max_live_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # of video per live stream; then it ends typed
+    cache_frames: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 12  # latent frames of past chunks kept (the window)
+    # bytes of KV caches all streams may hold together (None: 80 % of the free device memory at start; 4 GiB on CPU)
+    cache_budget_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    causal_base: str = "preset:wan-1.3b-causal"  # shapes, text encoder and VAE for a Self-Forcing checkpoint file
+    checkpoint_key: Literal["generator", "generator_ema"] = "generator"
 
 
 def validate_request(
@@ -62,15 +74,15 @@ def validate_request(
     temporal_scale: int,
 ) -> None:
     """Refuse what cannot or must not run, before any work. Raises :class:`EngineError` naming the field."""
-    if not request.prompt.strip():
-        raise EngineError("invalid_value", "prompt must not be empty", "prompt")
-    if len(request.prompt) > options.max_prompt_chars:
-        raise EngineError("invalid_value", f"prompt is longer than {options.max_prompt_chars} characters", "prompt")
-    for name, value in (("width", request.width), ("height", request.height)):
-        if value < size_multiple or value % size_multiple:
-            raise EngineError(
-                "invalid_size", f"{name} must be a positive multiple of {size_multiple}; got {value}", name
-            )
+    validate_prompt(request.prompt, options)
+    if request.live:
+        raise EngineError(
+            "live_unsupported",
+            "this model generates whole clips; live streams need a chunk-causal model (preset:tiny-causal, "
+            "preset:wan-1.3b-causal, a Self-Forcing checkpoint)",
+            "live",
+        )
+    validate_size(request, size_multiple)
     if request.num_frames < 1 or (request.num_frames - 1) % temporal_scale:
         raise EngineError(
             "invalid_frames",
@@ -78,19 +90,41 @@ def validate_request(
             f"got {request.num_frames}",
             "num_frames",
         )
-    if not 1 <= request.fps <= options.max_fps:
-        raise EngineError("invalid_value", f"fps must be within 1..{options.max_fps}", "fps")
     if not 1 <= request.steps <= options.max_steps:
         raise EngineError("invalid_value", f"steps must be within 1..{options.max_steps}", "steps")
-    if not 0 <= request.seed < 2**63:
-        raise EngineError("invalid_value", "seed must be within 0..2^63-1", "seed")
-    if not 0.0 <= request.guidance_scale <= options.max_guidance_scale:
-        raise EngineError(
-            "invalid_value", f"guidance_scale must be within 0..{options.max_guidance_scale:g}", "guidance_scale"
-        )
+    validate_common(request, options)
     if request.pixels > options.max_video_pixels:
         raise EngineError(
             "too_large",
             f"width x height x num_frames = {request.pixels} exceeds this server's limit of {options.max_video_pixels}",
             "num_frames",
+        )
+
+
+def validate_prompt(prompt: str, options: VideoOptions) -> None:
+    """A prompt must have text and fit the limit."""
+    if not prompt.strip():
+        raise EngineError("invalid_value", "prompt must not be empty", "prompt")
+    if len(prompt) > options.max_prompt_chars:
+        raise EngineError("invalid_value", f"prompt is longer than {options.max_prompt_chars} characters", "prompt")
+
+
+def validate_size(request: VideoRequest, size_multiple: int) -> None:
+    """Width and height are positive multiples of what the model patches."""
+    for name, value in (("width", request.width), ("height", request.height)):
+        if value < size_multiple or value % size_multiple:
+            raise EngineError(
+                "invalid_size", f"{name} must be a positive multiple of {size_multiple}; got {value}", name
+            )
+
+
+def validate_common(request: VideoRequest, options: VideoOptions) -> None:
+    """The checks of frame rate, seed and guidance every request passes."""
+    if not 1 <= request.fps <= options.max_fps:
+        raise EngineError("invalid_value", f"fps must be within 1..{options.max_fps}", "fps")
+    if not 0 <= request.seed < 2**63:
+        raise EngineError("invalid_value", "seed must be within 0..2^63-1", "seed")
+    if not 0.0 <= request.guidance_scale <= options.max_guidance_scale:
+        raise EngineError(
+            "invalid_value", f"guidance_scale must be within 0..{options.max_guidance_scale:g}", "guidance_scale"
         )

@@ -140,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="serve text-to-video beside the speech engine (WS /v1/realtime/video as fMP4, POST "
-        "/v1/realtime/video/calls as a WebRTC video track): a Wan 2.1 Diffusers directory, or preset:tiny / "
-        "preset:wan-1.3b (random weights: noise, for tests and benchmarks); no video engine without it",
+        "/v1/realtime/video/calls as a WebRTC video track): a Wan 2.1 Diffusers directory, a Self-Forcing "
+        "checkpoint file (live chunk-causal streams; causal_base= gives its text encoder and VAE), or preset:tiny / "
+        "preset:wan-1.3b / preset:tiny-causal / preset:wan-1.3b-causal (random weights: noise, for tests and "
+        "benchmarks); no video engine without it",
     )
     video.add_argument(
         "--video-option",
@@ -151,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="video engine option, repeatable (for example device=cuda, dtype=bfloat16, max_sessions=2, "
-        "max_frames_in_flight=16, max_video_pixels=32348160, vae_tile=256)",
+        "max_frames_in_flight=16, max_video_pixels=32348160, vae_tile=256; live: max_live_seconds=600, "
+        "cache_frames=12, max_chunk_frames=4, max_chunk_steps=8, max_frame_pixels=399360)",
     )
     robot = serve.add_argument_group("robot policy (WS /v1/realtime/robot/openpi, openpi's websocket protocol)")
     robot.add_argument(

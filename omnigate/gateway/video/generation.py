@@ -15,15 +15,18 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from omnigate.engines.base import EngineError
-from omnigate.engines.video.outputs import FrameGroup, VideoDone
+from omnigate.engines.video.outputs import FrameGroup, PromptUpdated, VideoDone
 from omnigate.gateway.video.protocol import (
     ProtocolError,
     SessionClose,
     VideoCancel,
     VideoCreate,
+    VideoPrompt,
+    chunk_event,
     decode_client_event,
     done_event,
     failed_event,
+    prompt_updated_event,
     start_event,
 )
 
@@ -110,6 +113,9 @@ async def handle_client_text(session: VideoSession, engine: VideoEngine, text: s
         if isinstance(event, VideoCancel):
             session.cancel_generation()
             return True
+        if isinstance(event, VideoPrompt):
+            await session.send_event(prompt_accepted(session.job, event))
+            return True
         if session.job is not None:
             raise ProtocolError(
                 "busy", "a video is already being generated here; send video.cancel or await video.done"
@@ -120,11 +126,30 @@ async def handle_client_text(session: VideoSession, engine: VideoEngine, text: s
     return True
 
 
+def prompt_accepted(job: VideoJob | None, event: VideoPrompt) -> dict[str, Any]:
+    """Hand a live stream its new prompt; the ``video.prompt.accepted`` event naming its id. Raises
+    :class:`ProtocolError` when no live stream runs here or the prompt is refused."""
+    # Imported here: the live engine loads torch models, which this module does not otherwise need.
+    from omnigate.engines.video.live import LiveJob
+
+    if not isinstance(job, LiveJob) or not job.request.live:
+        raise ProtocolError("no_live_stream", "video.prompt needs a live stream here (video.create with live: true)")
+    try:
+        prompt_id = job.set_prompt(event.prompt)
+    except EngineError as exc:
+        raise ProtocolError(exc.code, exc.message, exc.param) from None
+    return {"type": "video.prompt.accepted", "prompt_id": prompt_id}
+
+
 def submit_generation(engine: VideoEngine, event: VideoCreate, retry_after_s: float) -> VideoJob:
     """Check ``event`` against the engine and take a slot (nothing runs if it fails). Raises :class:`ProtocolError`."""
     info = engine.info
     if event.model is not None and event.model not in (info.model, info.family):
         raise ProtocolError("model_not_found", f"model {event.model!r} is not served", "model")
+    if event.live and event.num_frames is not None:
+        raise ProtocolError(
+            "invalid_value", "a live stream has no num_frames: it runs until video.cancel", "num_frames"
+        )
     request = engine.resolve(
         event.prompt,
         width=event.width,
@@ -134,6 +159,8 @@ def submit_generation(engine: VideoEngine, event: VideoCreate, retry_after_s: fl
         steps=event.steps,
         seed=event.seed,
         guidance_scale=event.guidance_scale,
+        live=event.live,
+        chunk_frames=event.chunk_frames,
     )
     try:
         return engine.submit(request, loop=asyncio.get_running_loop())
@@ -151,7 +178,13 @@ async def run_generation(job: VideoJob, outlet: FrameOutlet, send_event: SendEve
             return
         while True:
             output = await job.next_output()
+            if isinstance(output, PromptUpdated):
+                if not await send_event(prompt_updated_event(output)):
+                    return
+                continue
             if isinstance(output, FrameGroup):
+                if output.chunk_index is not None and not await send_event(chunk_event(output)):
+                    return
                 if not await outlet.deliver(output, job):
                     return
                 continue

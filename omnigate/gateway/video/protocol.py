@@ -1,10 +1,13 @@
 """The video generation protocol, whatever carries it (``WS /v1/realtime/video``, the ``video`` data channel of a
 WebRTC video call): client events, their checks as typed errors, and the server's JSON events.
 
-Client events: ``video.create`` {prompt, width, height, num_frames, fps, steps, seed, guidance_scale} (all but the
-prompt optional: the model's defaults), ``video.cancel``, ``session.close``. Server: ``video.start`` {mime, width,
-height, fps, num_frames, seed}, ``video.done`` {status, frames, bytes, stats}, and ``error`` {code, message, param}
-for a bad message, after which the session stays usable.
+Client events: ``video.create`` {prompt, width, height, num_frames, fps, steps, seed, guidance_scale, live,
+chunk_frames} (all but the prompt optional: the model's defaults), ``video.prompt`` {prompt} (a live stream's new
+prompt), ``video.cancel``, ``session.close``. Server: ``video.start`` {mime, width, height, fps, num_frames, seed,
+live}, ``video.chunk`` {index, frames, prompt_id} before each chunk's media (chunk-causal models),
+``video.prompt.accepted`` {prompt_id} (at once), ``video.prompt.updated`` {prompt_id, chunk_index} (before the
+first chunk generated with it), ``video.done`` {status, frames, bytes, stats, code}, and
+``error`` {code, message, param} for a bad message, after which the session stays usable.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from omnigate.engines.video.outputs import VideoDone, decoded_before_first_consumed, first_time
+from omnigate.engines.video.outputs import (
+    FrameGroup,
+    PromptUpdated,
+    VideoDone,
+    decoded_before_first_consumed,
+    first_time,
+)
 from omnigate.gateway.errors import UNDECODABLE, describe_validation_error, json_error
 from omnigate.gateway.json_budget import CODE as JSON_BUDGET_CODE
 from omnigate.gateway.json_budget import json_budget_problem
@@ -35,6 +44,14 @@ class VideoCreate(msgspec.Struct, tag="video.create", forbid_unknown_fields=True
     steps: int | None = None
     seed: int | None = None
     guidance_scale: float | None = None
+    live: bool = False  # stream until video.cancel (a chunk-causal model; no num_frames)
+    chunk_frames: int | None = None  # latent frames per chunk (chunk-causal models)
+
+
+class VideoPrompt(msgspec.Struct, tag="video.prompt", forbid_unknown_fields=True):
+    """Change a live stream's prompt from its next chunk on (answered by ``video.prompt.updated``)."""
+
+    prompt: str
 
 
 class VideoCancel(msgspec.Struct, tag="video.cancel", forbid_unknown_fields=True):
@@ -45,8 +62,8 @@ class SessionClose(msgspec.Struct, tag="session.close", forbid_unknown_fields=Tr
     """Cancel what runs and close the session normally."""
 
 
-ClientEvent = VideoCreate | VideoCancel | SessionClose
-CLIENT_EVENT_TYPES = ("video.create", "video.cancel", "session.close")
+ClientEvent = VideoCreate | VideoPrompt | VideoCancel | SessionClose
+CLIENT_EVENT_TYPES = ("video.create", "video.prompt", "video.cancel", "session.close")
 
 
 class ProtocolError(Exception):
@@ -106,9 +123,20 @@ def start_event(request: VideoRequest, mime: str) -> dict[str, Any]:
         "width": request.width,
         "height": request.height,
         "fps": request.fps,
-        "num_frames": request.num_frames,
+        "num_frames": None if request.live else request.num_frames,
         "seed": request.seed,
+        "live": request.live,
     }
+
+
+def chunk_event(group: FrameGroup) -> dict[str, Any]:
+    """``video.chunk``: the chunk whose media follows, and the prompt it was generated with."""
+    return {"type": "video.chunk", "index": group.chunk_index, "frames": group.count, "prompt_id": group.prompt_id}
+
+
+def prompt_updated_event(update: PromptUpdated) -> dict[str, Any]:
+    """``video.prompt.updated``: from which chunk on the stream follows the new prompt."""
+    return {"type": "video.prompt.updated", "prompt_id": update.prompt_id, "chunk_index": update.chunk_index}
 
 
 def done_event(done: VideoDone, frames: int, total_bytes: int | None) -> dict[str, Any]:

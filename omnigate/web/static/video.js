@@ -1,4 +1,5 @@
 // The video viewer: one WebSocket to /v1/realtime/video, reused for each generation; fragmented MP4 into MSE.
+// Live mode streams until Cancel; "Change prompt" sends video.prompt, and played media is trimmed from the buffer.
 "use strict";
 
 const ENDPOINT = "/v1/realtime/video";
@@ -6,7 +7,9 @@ const FIELDS = ["width", "height", "num_frames", "fps", "steps", "seed"];
 const $ = (id) => document.getElementById(id);
 
 let socket = null;
-let generation = null; // {createdAt, expectedFrames, segments, queue, binaryCount, done, mediaSource, sourceBuffer}
+let generation = null; // {createdAt, expectedFrames, live, segments, queue, binaryCount, done, mediaSource, ...}
+// Seconds of played live video kept in the Media Source buffer (the rest is removed: a live stream has no end).
+const LIVE_BUFFER_S = 10;
 
 function setState(text) {
   $("state").textContent = text;
@@ -15,6 +18,7 @@ function setState(text) {
 function setBusy(busy) {
   $("generate").disabled = busy;
   $("cancel").disabled = !busy;
+  $("send_prompt").disabled = !(busy && $("live").checked);
 }
 
 function connect() {
@@ -49,6 +53,11 @@ function onEvent(event) {
   window.omnigateVideo.events.push(event);
   if (event.type === "video.start") {
     startPlayback(event);
+  } else if (event.type === "video.chunk") {
+    if (generation) generation.frames += event.frames;
+    $("frames").textContent = `${generation ? generation.frames : event.frames} (chunk ${event.index}, prompt ${event.prompt_id})`;
+  } else if (event.type === "video.prompt.updated") {
+    setState(`live: prompt ${event.prompt_id} from chunk ${event.chunk_index}`);
   } else if (event.type === "video.done") {
     if (!generation) return;
     generation.done = true;
@@ -72,8 +81,10 @@ function onEvent(event) {
 function startPlayback(event) {
   if (!generation) return;
   generation.started = true;
-  generation.expectedFrames = event.num_frames;
-  setState(`generating ${event.width}x${event.height}, ${event.num_frames} frames at ${event.fps} fps`);
+  generation.expectedFrames = event.live ? "live" : event.num_frames;
+  generation.live = event.live;
+  const length = event.live ? "live" : `${event.num_frames} frames`;
+  setState(`generating ${event.width}x${event.height}, ${length} at ${event.fps} fps`);
   if (!window.MediaSource || !MediaSource.isTypeSupported(event.mime)) {
     $("error").textContent = `this browser cannot play ${event.mime}; the stream is still kept for download`;
     return;
@@ -93,7 +104,8 @@ function startPlayback(event) {
 function onSegment(data) {
   if (!generation) return;
   generation.binaryCount += 1;
-  generation.segments.push(data);
+  // A live stream is not kept for download: it has no end.
+  if (!generation.live) generation.segments.push(data);
   generation.queue.push(data);
   generation.bytes += data.byteLength;
   $("bytes").textContent = `${(generation.bytes / 1024).toFixed(1)} KiB`;
@@ -108,7 +120,11 @@ function onSegment(data) {
 function pump() {
   const g = generation;
   if (!g || !g.sourceBuffer || g.sourceBuffer.updating) return;
-  if (g.queue.length > 0) {
+  const played = $("player").currentTime;
+  if (g.live && played > 2 * LIVE_BUFFER_S && g.sourceBuffer.buffered.length > 0 &&
+      g.sourceBuffer.buffered.start(0) < played - 2 * LIVE_BUFFER_S) {
+    g.sourceBuffer.remove(0, played - LIVE_BUFFER_S);
+  } else if (g.queue.length > 0) {
     g.sourceBuffer.appendBuffer(g.queue.shift());
   } else if (g.done && g.mediaSource.readyState === "open") {
     g.mediaSource.endOfStream();
@@ -137,6 +153,10 @@ async function generate() {
     const value = $(name).value.trim();
     if (value !== "") request[name] = Number(value);
   }
+  if ($("live").checked) {
+    request.live = true;
+    delete request.num_frames;
+  }
   setBusy(true);
   setState("connecting");
   let ws;
@@ -149,7 +169,8 @@ async function generate() {
     return;
   }
   generation = {
-    createdAt: performance.now(), expectedFrames: 0, segments: [], queue: [], bytes: 0, binaryCount: 0,
+    createdAt: performance.now(), expectedFrames: 0, live: false, frames: 0, segments: [], queue: [], bytes: 0,
+    binaryCount: 0,
     started: false, done: false, mediaSource: null, sourceBuffer: null,
   };
   setState("denoising");
@@ -159,4 +180,7 @@ async function generate() {
 $("generate").addEventListener("click", generate);
 $("cancel").addEventListener("click", () => {
   if (socket) socket.send(JSON.stringify({ type: "video.cancel" }));
+});
+$("send_prompt").addEventListener("click", () => {
+  if (socket) socket.send(JSON.stringify({ type: "video.prompt", prompt: $("next_prompt").value }));
 });
