@@ -1,0 +1,78 @@
+"""``WS /v1/realtime`` hearing the user with the embedded recognizer: ``serve --llm-url`` and no ``--asr-url``.
+
+The LLM is the OpenAI-compatible stand-in on a real socket (it repeats what the user said); the gateway runs with the
+piper voice; the user's speech is the piper voice saying a known sentence. Spoken turns end by the server's VAD or by
+the client's commit, and the pocketsphinx decoder in the gateway must hear the words that reach the LLM.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omnigate.engines.piper import PiperEngine
+from omnigate.loadtest.openai_standins import StandinServer
+from tests.integration.test_realtime_answer import answering_server, errors, opened, say, utterance
+from tests.integration.test_realtime_ws import realtime, until
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+
+
+def user_message(standins: StandinServer) -> str:
+    request = standins.state.stats.last_chat_request
+    assert request is not None
+    return str(request["messages"][-1]["content"])
+
+
+async def test_a_turn_the_vad_ends_is_heard_and_its_words_reach_the_llm(piper_engine: PiperEngine) -> None:
+    async with StandinServer() as standins:
+        with answering_server(piper_engine, standins.base_url, None) as server:
+            async with realtime(server) as connection:
+                created = await opened(connection)
+                assert created["session"]["capabilities"]["input_transcription"] is True
+                await say(connection, bytes(24_000) + utterance(piper_engine, QUESTION))
+                events = await until(connection, "response.done")
+    assert not errors(events), errors(events)
+    kinds = [e["type"] for e in events]
+    assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index(
+        "conversation.item.input_audio_transcription.completed"
+    )
+    completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert "capital of france" in completed["transcript"]
+    assert completed["usage"]["seconds"] > 1.0
+    assert user_message(standins) == completed["transcript"]
+    assert events[-1]["response"]["status"] == "completed"
+    assert standins.state.stats.asr_audio_s == []  # no transcription service was asked
+
+
+@pytest.mark.parametrize("model", ["whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"])
+async def test_a_committed_turn_naming_an_openai_model_is_heard(piper_engine: PiperEngine, model: str) -> None:
+    async with StandinServer() as standins:
+        with answering_server(piper_engine, standins.base_url, None) as server:
+            async with realtime(server) as connection:
+                await opened(
+                    connection,
+                    audio={"input": {"turn_detection": None, "transcription": {"model": model, "language": "en"}}},
+                )
+                await say(connection, utterance(piper_engine, "The weather is nice today.", silence_s=0.3))
+                await connection.input_audio_buffer.commit()
+                await connection.response.create()
+                events = await until(connection, "response.done")
+    assert not errors(events), errors(events)
+    completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert "nice today" in completed["transcript"]
+    assert user_message(standins) == completed["transcript"]
+    assert events[-1]["response"]["status"] == "completed"
+
+
+async def test_turned_off_spoken_turns_are_not_transcribed(piper_engine: PiperEngine) -> None:
+    async with StandinServer() as standins:
+        with answering_server(piper_engine, standins.base_url, None, embedded_asr=False) as server:
+            async with realtime(server) as connection:
+                created = await opened(connection)
+                assert created["session"]["capabilities"]["input_transcription"] is False
+                await say(connection, utterance(piper_engine, QUESTION))
+                events = await until(connection, "input_audio_buffer.committed")
+    assert not any(e["type"].startswith("conversation.item.input_audio_transcription") for e in events)
+    assert standins.state.stats.llm_requests == 0
