@@ -1,8 +1,9 @@
 """``WS /v1/realtime`` hearing the user with the embedded recognizer: ``serve --llm-url`` and no ``--asr-url``.
 
 The LLM is the OpenAI-compatible stand-in on a real socket (it repeats what the user said); the gateway runs with the
-piper voice; the user's speech is the piper voice saying a known sentence. Spoken turns end by the server's VAD or by
-the client's commit, and the pocketsphinx decoder in the gateway must hear the words that reach the LLM.
+piper voice; the user's speech is a recorded turn (the piper voice: "Could you book a table for two at eight
+tonight?", the same bytes every run). Spoken turns end by the server's VAD or by the client's commit, and the
+pocketsphinx decoder in the gateway must hear the words that reach the LLM.
 """
 
 from __future__ import annotations
@@ -11,12 +12,19 @@ import pytest
 
 from omnigate.engines.piper import PiperEngine
 from omnigate.loadtest.openai_standins import StandinServer
-from tests.integration.test_realtime_answer import answering_server, errors, opened, say, utterance
+from omnigate.loadtest.targets.realtime import SPEECH_FILE, load_speech
+from tests.integration.test_realtime_answer import answering_server, errors, opened, say
 from tests.integration.test_realtime_ws import realtime, until
 
 pytestmark = pytest.mark.integration
 
-QUESTION = "What is the capital of France?"
+RECORDED_TURN = load_speech(SPEECH_FILE)
+PAUSE = bytes(48_000)  # a second of silence: the VAD ends the turn
+
+
+def heard_the_question(transcript: str) -> bool:
+    # (pocketsphinx's small en-US model hears "if you book a table for today tonight" in this recording)
+    return "book a table for" in transcript and transcript.endswith("tonight")
 
 
 def user_message(standins: StandinServer) -> str:
@@ -31,7 +39,7 @@ async def test_a_turn_the_vad_ends_is_heard_and_its_words_reach_the_llm(piper_en
             async with realtime(server) as connection:
                 created = await opened(connection)
                 assert created["session"]["capabilities"]["input_transcription"] is True
-                await say(connection, bytes(24_000) + utterance(piper_engine, QUESTION))
+                await say(connection, PAUSE + RECORDED_TURN + PAUSE)
                 events = await until(connection, "response.done")
     assert not errors(events), errors(events)
     kinds = [e["type"] for e in events]
@@ -39,7 +47,7 @@ async def test_a_turn_the_vad_ends_is_heard_and_its_words_reach_the_llm(piper_en
         "conversation.item.input_audio_transcription.completed"
     )
     completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
-    assert "capital of france" in completed["transcript"]
+    assert heard_the_question(completed["transcript"])
     assert completed["usage"]["seconds"] > 1.0
     assert user_message(standins) == completed["transcript"]
     assert events[-1]["response"]["status"] == "completed"
@@ -55,13 +63,13 @@ async def test_a_committed_turn_naming_an_openai_model_is_heard(piper_engine: Pi
                     connection,
                     audio={"input": {"turn_detection": None, "transcription": {"model": model, "language": "en"}}},
                 )
-                await say(connection, utterance(piper_engine, "The weather is nice today.", silence_s=0.3))
+                await say(connection, RECORDED_TURN)
                 await connection.input_audio_buffer.commit()
                 await connection.response.create()
                 events = await until(connection, "response.done")
     assert not errors(events), errors(events)
     completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
-    assert "nice today" in completed["transcript"]
+    assert heard_the_question(completed["transcript"])
     assert user_message(standins) == completed["transcript"]
     assert events[-1]["response"]["status"] == "completed"
 
@@ -72,7 +80,7 @@ async def test_turned_off_spoken_turns_are_not_transcribed(piper_engine: PiperEn
             async with realtime(server) as connection:
                 created = await opened(connection)
                 assert created["session"]["capabilities"]["input_transcription"] is False
-                await say(connection, utterance(piper_engine, QUESTION))
+                await say(connection, PAUSE + RECORDED_TURN + PAUSE)
                 events = await until(connection, "input_audio_buffer.committed")
     assert not any(e["type"].startswith("conversation.item.input_audio_transcription") for e in events)
     assert standins.state.stats.llm_requests == 0
