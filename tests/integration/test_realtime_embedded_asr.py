@@ -84,3 +84,28 @@ async def test_turned_off_spoken_turns_are_not_transcribed(piper_engine: PiperEn
                 events = await until(connection, "input_audio_buffer.committed")
     assert not any(e["type"].startswith("conversation.item.input_audio_transcription") for e in events)
     assert standins.state.stats.llm_requests == 0
+
+
+async def test_a_turn_past_the_decoders_fails_typed_and_the_next_one_is_heard(piper_engine: PiperEngine) -> None:
+    no_vad = {"input": {"turn_detection": None}}
+    async with StandinServer() as standins:
+        with answering_server(piper_engine, standins.base_url, None, embedded_asr_max_decoders=1) as server:
+            async with realtime(server) as first, realtime(server) as second:
+                for connection in (first, second):
+                    await opened(connection, audio=no_vad)
+                # The first user's turn holds the only decoder from its first append until its commit.
+                await say(first, RECORDED_TURN)
+                await first.conversation.item.retrieve(item_id="no-such-item")
+                assert (await until(first, "error"))[-1]["error"]["code"] == "item_not_found"  # the appends are in
+                await say(second, RECORDED_TURN)
+                await second.input_audio_buffer.commit()
+                refused = await until(second, "conversation.item.input_audio_transcription.failed")
+                assert refused[-1]["error"]["code"] == "asr_busy"
+                await first.input_audio_buffer.commit()
+                heard = await until(first, "conversation.item.input_audio_transcription.completed")
+                assert heard_the_question(heard[-1]["transcript"])
+                # The decoder is free again: the second user's next turn is heard.
+                await say(second, RECORDED_TURN)
+                await second.input_audio_buffer.commit()
+                again = await until(second, "conversation.item.input_audio_transcription.completed")
+                assert heard_the_question(again[-1]["transcript"])
