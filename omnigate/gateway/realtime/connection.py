@@ -9,7 +9,9 @@ The protocol's rules live in :class:`omnigate.sessions.realtime.session.Realtime
 JSON, binds and releases the backend (which reports back here, as its :class:`ResponseSink`), wakes the writer when
 the core queues output, runs the core's idle and duration deadlines on the loop, scores speech on the shared VAD
 executor, and runs the transcription and LLM calls the core asks for as tasks it owns (one LLM request at a time;
-all of them cancelled when the session ends, which closes their HTTP streams).
+all of them cancelled when the session ends, which closes their HTTP streams). Without a transcription service the
+embedded recognizer hears each turn: the audio the core hands over as the turn goes feeds the turn's listener, and
+the turn's end awaits its words.
 
 No session waits on work that died: a service's failure ends its response typed and the session goes on, while a
 failure of the server's own work (a task that raised past its handlers, a VAD result or a deadline the core could
