@@ -26,11 +26,14 @@ class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
     llm_first_token_timeout_s: float = 10.0
     llm_idle_timeout_s: float = 10.0  # between two streamed chunks
     llm_timeout_s: float = 120.0  # a whole reply
-    asr_url: str | None = None  # None: user turns are text only (conversation.item.create)
+    asr_url: str | None = None  # None: the embedded recognizer hears spoken turns (or, without it, text only)
     asr_model: str = "whisper-1"
     asr_api_key: str | None = None
     asr_timeout_s: float = 15.0  # a whole transcription
     asr_max_audio_s: float = 60.0  # of one turn's audio sent to transcription (the newest is kept)
+    # without asr_url: pocketsphinx in this process hears spoken turns as they come (off: user turns are text only)
+    embedded_asr: bool = True
+    embedded_asr_max_decoders: int = 8  # turns heard at once (a decoder holds about 95 MB)
     connect_timeout_s: float = 3.0
     history_max_chars: int = 24_000  # the conversation sent to the LLM, oldest dropped first (about 6k tokens)
 
@@ -46,6 +49,8 @@ class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("the LLM and transcription timeouts must be positive")
         if self.llm_max_tokens < 1 or self.history_max_chars < 1 or self.asr_max_audio_s <= 0:
             raise ValueError("--llm-max-tokens, --history-max-chars and --asr-max-audio must be positive")
+        if self.embedded_asr_max_decoders < 1:
+            raise ValueError("the embedded recognizer needs at least one decoder")
         for name, url in (("--llm-url", self.llm_url), ("--asr-url", self.asr_url)):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
@@ -161,4 +166,5 @@ def responder_summary(settings: Settings) -> dict[str, bool] | None:
     """What clients may know of the responder (never its URLs or keys): None without one."""
     if settings.responder is None:
         return None
-    return {"transcription": settings.responder.asr_url is not None}
+    responder = settings.responder
+    return {"transcription": responder.asr_url is not None or responder.embedded_asr}

@@ -42,6 +42,7 @@ from omnigate.loadtest.progress import (
     compare_table,
     negotiated_text,
     summary_table,
+    turn_steps_text,
 )
 from omnigate.loadtest.report import (
     DEFAULT_SLO,
@@ -406,6 +407,8 @@ def _finish(
         console.print(summary_table(report.levels))
         console.print(f"SLO: p99 TTFA < {report.settings.slo_ttfa_ms:g} ms ({report.settings.slo_basis})")
         console.print(negotiated_text(report.levels))
+        if (steps := turn_steps_text(report.levels)) is not None:
+            console.print(steps)
         if report.capacity is not None:
             console.print(capacity_text(report.capacity))
         if report.compare is not None:

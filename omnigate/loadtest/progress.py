@@ -172,6 +172,21 @@ def negotiated_text(levels: list[LevelReport]) -> Text:
     return text
 
 
+def turn_steps_text(levels: list[LevelReport]) -> Text | None:
+    """Conversational turns step by step (p50 / p95 ms), for levels that measured them (realtime talk mode)."""
+    measured = [level for level in levels if level.turn_steps_ms]
+    if not measured:
+        return None
+    text = Text("turns step by step, ms (p50 / p95)", style="bold")
+    for level in measured:
+        load = arrival_label(level.arrival) + ("" if level.round is None else f" r{level.round + 1}")
+        steps = ", ".join(
+            f"{step} {_ms(d.p50)} / {_ms(d.p95)}" for step, d in level.turn_steps_ms.items() if d.p50 is not None
+        )
+        text.append(f"\n  {level.target.label} @ {load}: {steps}")
+    return text
+
+
 def capacity_text(capacity: CapacityReport) -> Text:
     result = capacity.result
     text = Text(f"Capacity of {capacity.target.label}: ", style="bold")

@@ -183,6 +183,9 @@ class LevelReport(msgspec.Struct, frozen=True):
     negotiated: dict[str, dict[str, int]] = {}
     """What the servers answered, by key (``websocket_extensions``, ``format``, ``content_type`` ...): measured
     sessions per answer."""
+    turn_steps_ms: dict[str, Distribution] = {}
+    """Completed conversational turns step by step (the realtime target's talk mode: ``voice_to_voice``,
+    ``end_of_turn``, ``transcription``, ``first_token``, ``first_audio``, ``turn_to_audio``; see its module)."""
 
 
 class CapacityReport(msgspec.Struct, frozen=True):
@@ -265,6 +268,7 @@ def summarize_level(
     underruns = 0
     audio_ms = 0.0
     total_bytes = 0
+    turn_steps: dict[str, list[float]] = {}
     for trace in measured:
         errors.update(trace.errors)
         for code, detail in trace.error_details.items():
@@ -299,6 +303,8 @@ def summarize_level(
             utterance_records.append(record)
             if utterance.status != "completed":
                 continue
+            for step, ms in utterance.steps.items():
+                turn_steps.setdefault(step, []).append(ms)
             if record.ttfa_ms is not None:
                 ttfa.append(record.ttfa_ms)
             if record.rtf is not None:
@@ -376,6 +382,7 @@ def summarize_level(
         metrics_error=metrics_error,
         session_records=records,
         negotiated={key: dict(sorted(values.items())) for key, values in sorted(negotiated.items())},
+        turn_steps_ms={step: distribution(values) for step, values in turn_steps.items()},
     )
 
 

@@ -36,6 +36,9 @@ class UtteranceTrace:
         self.bytes = 0
         self.completed_s: float | None = None
         self.status: UtteranceStatus = "running"
+        self.steps: dict[str, float] = {}
+        """A conversational turn's steps, ms (the realtime target's talk mode: ``voice_to_voice``, ``transcription``,
+        ``first_token``, ``first_audio``, ...)."""
 
     def text_sent(self, now_s: float, sent_chars: int) -> None:
         self.sends.append((now_s, sent_chars))

@@ -265,7 +265,7 @@ async def test_a_failing_recognizer_fails_the_turn_and_the_next_turn_works(piper
 
 async def test_text_turns_need_no_recognizer_and_keep_the_history(piper_engine: PiperEngine) -> None:
     async with StandinServer() as standins:
-        with answering_server(piper_engine, standins.base_url, None) as server:
+        with answering_server(piper_engine, standins.base_url, None, embedded_asr=False) as server:
             async with realtime(server) as connection:
                 created = await opened(connection)
                 assert created["session"]["capabilities"]["input_transcription"] is False

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from omnigate.loadtest.arrivals import ClosedLoop
+from omnigate.loadtest.progress import turn_steps_text
 from omnigate.loadtest.report import (
     REPORT_VERSION,
     LevelReport,
@@ -361,3 +362,24 @@ def test_the_negotiated_answers_are_counted_per_measured_session() -> None:
     }
     decoded = msgspec.json.decode(msgspec.json.encode(report), type=LevelReport)
     assert decoded.negotiated == report.negotiated
+
+
+def test_conversational_turns_are_split_step_by_step_over_the_measured_completed_turns() -> None:
+    traces = [completed_session(i, start_s=float(i)) for i in range(4)]
+    for index, trace in enumerate(traces):
+        trace.utterances[0].steps.update({"voice_to_voice": 800.0 + 100 * index, "transcription": 50.0 + index})
+    failed = completed_session(4, start_s=4.0)
+    failed.utterances[0].status = "failed"
+    failed.utterances[0].steps["voice_to_voice"] = 9000.0  # a failed turn is not a turn's timing
+    report = summarize([*traces, failed], warmup_s=1.0)  # the first session is warm-up
+    steps = report.turn_steps_ms
+    assert set(steps) == {"voice_to_voice", "transcription"}
+    assert (steps["voice_to_voice"].count, steps["voice_to_voice"].min, steps["voice_to_voice"].max) == (
+        3,
+        900.0,
+        1100.0,
+    )
+    assert steps["transcription"].p50 == 52.0
+    text = turn_steps_text([report])
+    assert text is not None and "voice_to_voice 1000.0 / " in text.plain and "transcription 52.0 / " in text.plain
+    assert turn_steps_text([summarize([completed_session(0, 0.0)])]) is None  # no talk-mode turns: no line

@@ -132,6 +132,7 @@ async def realtime_outcome(
             type="session.created", session={"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}}
         ),
         RealtimeEvent(type="input_audio_buffer.speech_stopped"),
+        RealtimeEvent(type="conversation.item.input_audio_transcription.completed"),
         RealtimeEvent(type="response.created", response={"id": "r1"}),
         *(delta("r1", 40) for _ in range(5)),
         RealtimeEvent(
@@ -172,14 +173,35 @@ async def test_realtime_a_response_the_client_cancelled_is_a_completed_barge_in(
 async def test_realtime_talk_mode_collects_the_turn_timings_the_server_reports() -> None:
     spec = TargetSpec(label="realtime", target="realtime", url="ws://127.0.0.1:1/v1/realtime#talk=1")
     target = RealtimeTarget(spec, SessionSettings())
-    metadata = {"omnigate_asr_ms": "150.2", "omnigate_overhead_ms": "12.0", "omnigate_note": "x", "other_ms": "1"}
-    await realtime_outcome("completed", metadata=metadata, target=target)
+    metadata = {
+        "omnigate_asr_ms": "150.2",
+        "omnigate_first_token_ms": "60.0",
+        "omnigate_overhead_ms": "12.0",
+        "omnigate_note": "x",
+        "other_ms": "1",
+    }
+    trace, _, _ = await realtime_outcome("completed", metadata=metadata, target=target)
     await realtime_outcome("failed", metadata=metadata, target=target)  # a failed response reports no turn
     [timings] = target.turn_timings
-    assert {k: v for k, v in timings.items() if not k.startswith("client_")} == {"asr": 150.2, "overhead": 12.0}
-    # speech sent at 0 s, speech_stopped at 0.11 s, the first reply audio at 0.13 s
-    assert timings["client_voice_to_voice"] == pytest.approx(130.0)
-    assert timings["client_turn_to_audio"] == pytest.approx(20.0)
+    assert {k: v for k, v in timings.items() if not k.startswith("client_")} == {
+        "asr": 150.2,
+        "first_token": 60.0,
+        "overhead": 12.0,
+    }
+    # speech sent at 0 s, speech_stopped at 0.11 s, the transcript at 0.12 s, the first reply audio at 0.14 s
+    assert timings["client_voice_to_voice"] == pytest.approx(140.0)
+    assert timings["client_turn_to_audio"] == pytest.approx(30.0)
+    # The turn's split, for the level's report: the client's own steps and the server's first token.
+    steps = trace.utterances[0].steps
+    assert steps == pytest.approx(
+        {
+            "voice_to_voice": 140.0,
+            "end_of_turn": 110.0,
+            "transcription": 10.0,
+            "first_token": 60.0,
+            "turn_to_audio": 30.0,
+        }
+    )
 
 
 def test_realtime_output_format_when_unannounced() -> None:

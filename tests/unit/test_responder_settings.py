@@ -64,14 +64,22 @@ def test_options_that_cannot_work_are_refused(options: tuple[str, ...]) -> None:
 async def test_the_clients_come_from_the_settings_and_close() -> None:
     clients = ResponderClients.start(ResponderSettings(llm_url="http://127.0.0.1:9/v1", llm_timeout_s=7.0))
     assert clients.chat.url == "http://127.0.0.1:9/v1/chat/completions" and clients.chat.timeouts.total_s == 7.0
-    assert clients.transcription is None
+    assert clients.transcription is None and clients.recognizer is not None  # the embedded one hears turns
     await clients.aclose()
+    off = ResponderClients.start(ResponderSettings(llm_url="http://127.0.0.1:9/v1", embedded_asr=False))
+    assert off.transcription is None and off.recognizer is None
+    await off.aclose()
+    remote = ResponderClients.start(ResponderSettings(llm_url="http://127.0.0.1:9/v1", asr_url="http://127.0.0.1:9/v1"))
+    assert remote.transcription is not None and remote.recognizer is None  # --asr-url wins
+    await remote.aclose()
     assert clients.http.is_closed
 
 
 def test_the_page_config_says_whether_the_realtime_route_answers() -> None:
     with_llm = Settings(responder=ResponderSettings(llm_url="http://127.0.0.1:9/v1"))
-    for settings, expected in ((Settings(), None), (with_llm, {"transcription": False})):
+    unheard = Settings(responder=ResponderSettings(llm_url="http://127.0.0.1:9/v1", embedded_asr=False))
+    cases = ((Settings(), None), (with_llm, {"transcription": True}), (unheard, {"transcription": False}))
+    for settings, expected in cases:
         app = Starlette(routes=web_routes(None, responder_summary(settings)))
         with TestClient(app) as client:
             assert client.get("/web/config.json").json() == {"token_url": None, "responder": expected}

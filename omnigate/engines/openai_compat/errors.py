@@ -7,7 +7,9 @@ from typing import Literal
 Service = Literal["llm", "asr"]
 # <service>_unavailable: connection refused, DNS, reset before a response; <service>_timeout: a wait ran out;
 # <service>_error: the service answered with an HTTP error; <service>_bad_response: what came back is not the API.
-Failure = Literal["unavailable", "timeout", "error", "bad_response"]
+# An embedded service's own limits: <service>_busy: all its workers are taken; <service>_audio_limit: a turn longer
+# than it decodes.
+Failure = Literal["unavailable", "timeout", "error", "bad_response", "busy", "audio_limit"]
 
 
 class ServiceError(Exception):

@@ -415,7 +415,8 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="an OpenAI-compatible transcription server (speaches, whisper.cpp's server, vLLM, ...), its base URL, "
-        "for example http://127.0.0.1:8001/v1; without it only text turns are answered",
+        "for example http://127.0.0.1:8001/v1; without it the embedded recognizer (pocketsphinx, en-US) hears "
+        "spoken turns",
     )
     group.add_argument("--asr-model", default=_RESPONDER.asr_model, help="model name sent to the transcription server")
     group.add_argument(

@@ -9,7 +9,9 @@ The protocol's rules live in :class:`omnigate.sessions.realtime.session.Realtime
 JSON, binds and releases the backend (which reports back here, as its :class:`ResponseSink`), wakes the writer when
 the core queues output, runs the core's idle and duration deadlines on the loop, scores speech on the shared VAD
 executor, and runs the transcription and LLM calls the core asks for as tasks it owns (one LLM request at a time;
-all of them cancelled when the session ends, which closes their HTTP streams).
+all of them cancelled when the session ends, which closes their HTTP streams). Without a transcription service the
+embedded recognizer hears each turn: the audio the core hands over as the turn goes feeds the turn's listener, and
+the turn's end awaits its words.
 
 No session waits on work that died: a service's failure ends its response typed and the session goes on, while a
 failure of the server's own work (a task that raised past its handlers, a VAD result or a deadline the core could
@@ -27,6 +29,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from omnigate.engines.openai_compat.errors import ServiceError
+from omnigate.engines.recognizer import TurnListener
 from omnigate.engines.vad import SpeechProbability
 from omnigate.gateway.realtime.backend import Backend
 from omnigate.gateway.realtime.protocol import read_client_message
@@ -38,6 +41,8 @@ from omnigate.sessions.realtime.conversation import Conversation, IdSource, Resp
 from omnigate.sessions.realtime.outbox import RealtimeOutbox, RealtimeOutput
 from omnigate.sessions.realtime.requests import (
     CancelChat,
+    ForgetAudio,
+    HearAudio,
     ScoreSpeech,
     ServiceFailed,
     SessionRequest,
@@ -65,7 +70,8 @@ def policy_of(clients: ResponderClients) -> ResponderPolicy:
         model=settings.llm_model,
         max_tokens=settings.llm_max_tokens,
         history_max_chars=settings.history_max_chars,
-        transcription=clients.transcription is not None,
+        transcription=clients.transcription is not None or clients.recognizer is not None,
+        streaming_transcription=clients.recognizer is not None,
     )
 
 
@@ -92,6 +98,10 @@ class RealtimeConnection:
         self._reports = reports
         self._chats: dict[str, asyncio.Task[None]] = {}  # by response id: at most one runs, others are ending
         self._transcriptions: set[asyncio.Task[None]] = set()
+        # the embedded recognizer hearing the user's turn in progress (or why it could not), and ended turns it is
+        # finishing
+        self._listener: TurnListener | ServiceError | None = None
+        self._ended_turns: set[TurnListener] = set()
         self._vad_executor = vad_executor
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
@@ -177,6 +187,9 @@ class RealtimeConnection:
             self._timer.cancel()
         for task in (*self._chats.values(), *self._transcriptions):
             task.cancel()
+        self._forget()
+        for listener in self._ended_turns:  # (a task cancelled before it ran never reached its own cleanup)
+            listener.cancel()
         # The session and its backend refer to each other: drop what holds native resources now rather than when
         # the cycle collector next runs a full pass (rarely, in a process holding a model).
         self._vad = None
@@ -267,8 +280,15 @@ class RealtimeConnection:
             task = self._chats.get(request.response_id)
             if task is not None:
                 task.cancel()
+        elif isinstance(request, HearAudio):
+            self._hear(request.pcm)
+        elif isinstance(request, ForgetAudio):
+            self._forget()
         elif isinstance(request, Transcribe):
-            self._start(self._transcribe(request), f"realtime-asr-{request.item_id}", None)
+            heard = None
+            if self._responder is not None and self._responder.transcription is None:
+                heard = self._end_turn(request.pcm)  # now: audio that comes next is the next turn's
+            self._start(self._transcribe(request, heard), f"realtime-asr-{request.item_id}", None)
         elif isinstance(request, TurnMeasured):
             if self._reports is not None:
                 self._reports.turn(request.timings)
@@ -314,10 +334,49 @@ class RealtimeConnection:
             log.exception("a realtime LLM request failed")
             self.core.chat_failed(request.response_id, "server_error", "the LLM request failed in the server")
 
-    async def _transcribe(self, request: Transcribe) -> None:
-        assert self._responder is not None and self._responder.transcription is not None
+    def _hear(self, pcm: bytes) -> None:
+        if self._released:
+            return
+        listener = self._listener
+        if listener is None:
+            assert self._responder is not None and self._responder.recognizer is not None
+            try:
+                listener = self._responder.recognizer.listen()
+            except ServiceError as exc:
+                listener = exc  # the turn's transcription fails with it when the turn ends
+            self._listener = listener
+        if isinstance(listener, TurnListener):
+            listener.hear(pcm)
+
+    def _forget(self) -> None:
+        listener, self._listener = self._listener, None
+        if isinstance(listener, TurnListener):
+            listener.cancel()
+
+    def _end_turn(self, pcm: bytes) -> TurnListener | ServiceError:
+        """The embedded recognizer's listener of the turn that ended, ``pcm`` its last audio."""
+        self._hear(pcm)
+        listener, self._listener = self._listener, None
+        if listener is None:  # (released)
+            return ServiceError("asr", "unavailable", "the session is closing")
+        if isinstance(listener, TurnListener):
+            self._ended_turns.add(listener)
+        return listener
+
+    async def _transcribe(self, request: Transcribe, heard: TurnListener | ServiceError | None) -> None:
+        """``heard``: the embedded recognizer's listener of the turn (None: the transcription service hears it)."""
+        assert self._responder is not None
         try:
-            transcript = await self._responder.transcription.transcribe(request.pcm, ENGINE_RATE)
+            if isinstance(heard, ServiceError):
+                raise heard
+            if heard is not None:
+                try:
+                    transcript = await heard.transcript()
+                finally:
+                    self._ended_turns.discard(heard)
+            else:
+                assert self._responder.transcription is not None
+                transcript = await self._responder.transcription.transcribe(request.pcm, ENGINE_RATE)
         except ServiceError as exc:
             self.core.transcription_failed(request.item_id, exc.code, exc.message)
         except Exception:

@@ -13,17 +13,20 @@ import httpx
 from omnigate.engines.openai_compat.chat import ChatClient
 from omnigate.engines.openai_compat.http_calls import ServiceTimeouts, http_client
 from omnigate.engines.openai_compat.transcription import TranscriptionClient
+from omnigate.engines.recognizer import EmbeddedRecognizer
 from omnigate.gateway.settings import ResponderSettings
 
 
 @dataclass(eq=False)
 class ResponderClients:
-    """The chat client, the transcription client (None without ``--asr-url``) and the settings they came from."""
+    """The chat client, the transcription client (None without ``--asr-url``), the embedded recognizer (without
+    ``--asr-url``, unless turned off) and the settings they came from."""
 
     settings: ResponderSettings
     http: httpx.AsyncClient
     chat: ChatClient
     transcription: TranscriptionClient | None
+    recognizer: EmbeddedRecognizer | None = None
 
     @classmethod
     def start(cls, settings: ResponderSettings) -> ResponderClients:
@@ -54,7 +57,16 @@ class ResponderClients:
                 ),
                 max_audio_s=settings.asr_max_audio_s,
             )
-        return cls(settings, http, chat, transcription)
+        recognizer = None
+        if transcription is None and settings.embedded_asr:
+            recognizer = EmbeddedRecognizer(
+                max_decoders=settings.embedded_asr_max_decoders,
+                max_audio_s=settings.asr_max_audio_s,
+                timeout_s=settings.asr_timeout_s,
+            )
+        return cls(settings, http, chat, transcription, recognizer)
 
     async def aclose(self) -> None:
+        if self.recognizer is not None:
+            self.recognizer.close()
         await self.http.aclose()

@@ -189,7 +189,13 @@ async def start_realtime(
             raise ValueError("a duplex main engine runs in this process: it needs the local engine pool")
         return RealtimeService(settings, pool, cast(DuplexEngineApi, pool.engine), owns_duplex=False, reports=reports)
     if settings.duplex_model is None:
-        return RealtimeService(settings, pool, None, owns_duplex=False, reports=reports)
-    engine = await asyncio.to_thread(load_engine, "duplex", settings.duplex_model, **settings.duplex_options)
-    log.info("duplex engine %s ready for /v1/duplex: %d sessions", engine.info.model, engine.info.max_sessions)
-    return RealtimeService(settings, pool, cast(DuplexEngineApi, engine), owns_duplex=True, reports=reports)
+        service = RealtimeService(settings, pool, None, owns_duplex=False, reports=reports)
+    else:
+        engine = await asyncio.to_thread(load_engine, "duplex", settings.duplex_model, **settings.duplex_options)
+        log.info("duplex engine %s ready for /v1/duplex: %d sessions", engine.info.model, engine.info.max_sessions)
+        service = RealtimeService(settings, pool, cast(DuplexEngineApi, engine), owns_duplex=True, reports=reports)
+    recognizer = service.responder.recognizer if service.responder is not None else None
+    if recognizer is not None:
+        await asyncio.to_thread(recognizer.warm_up)  # the first spoken turn does not wait for a decoder to load
+        log.info("embedded speech recognizer ready: pocketsphinx en-US, %d turns at once", recognizer.max_decoders)
+    return service

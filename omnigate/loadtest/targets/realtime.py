@@ -11,7 +11,17 @@ with the piper voice ``joe-us``: "Could you book a table for two at eight tonigh
 - in talk mode (``talk=1``, a server started with ``--llm-url``) the server answers on its own too: it transcribes
   the turn, asks its LLM and speaks the reply; the client only speaks and listens, at the server's default turn
   detection. The per-turn timings the server reports in ``response.done``'s metadata (``omnigate_*_ms``) are
-  collected in :attr:`RealtimeTarget.turn_timings`.
+  collected in :attr:`RealtimeTarget.turn_timings`, and each completed turn's split goes in the level's report
+  (``turn_steps_ms``, printed as "turns step by step"):
+
+  - ``voice_to_voice``: from the last append of the user's speech to the first reply audio received;
+  - ``end_of_turn``: from that append to ``input_audio_buffer.speech_stopped`` received (the VAD's closing silence);
+  - ``transcription``: from ``speech_stopped`` to ``conversation.item.input_audio_transcription.completed``
+    received (the transcription delay after the end of the turn);
+  - ``first_token`` and ``first_audio``: the LLM's first token and the first reply audio sent, from the server's
+    end of the turn, as the server reports them (no event carries the first token: an audio reply's text comes
+    with its audio);
+  - ``turn_to_audio``: from ``speech_stopped`` to the first reply audio received.
 
 An utterance's TTFA is the voice-to-voice latency: from the last append of the user's speech to the first audio of
 the reply. Underruns come from replaying the reply's arrivals through the jitter-buffer player. With
@@ -127,6 +137,7 @@ class _Turn:
     reply_ms: float = 0.0
     cancel_sent_s: float | None = None
     speech_stopped_s: float | None = None  # when the server's VAD said the user's turn ended
+    transcribed_s: float | None = None  # when the turn's transcript arrived
     cancelled: bool = False
     done_s: float | None = None
     last_delta_s: float | None = None
@@ -294,6 +305,9 @@ class RealtimeTarget(Target):
             if turn is not None and turn.speech_stopped_s is None and now_s >= turn.speech_end_s:
                 turn.speech_stopped_s = now_s
             state.speech_stopped.set()
+        elif kind == "conversation.item.input_audio_transcription.completed":
+            if turn is not None and turn.speech_stopped_s is not None and turn.transcribed_s is None:
+                turn.transcribed_s = now_s
         elif kind == "error":
             error = event.error or {}
             code = str(error.get("code") or "server_error")
@@ -331,11 +345,30 @@ class RealtimeTarget(Target):
             if status == "completed" or (turn.cancelled and turn.cancel_sent_s is not None):
                 turn.utterance.finish(now_s, "completed")
                 if self.options.talk and status == "completed":
-                    self.turn_timings.append(self._turn_timings(turn, response.get("metadata")))
+                    timings = self._turn_timings(turn, response.get("metadata"))
+                    self.turn_timings.append(timings)
+                    turn.utterance.steps.update(turn_steps(turn, timings))
             else:
                 trace.error(f"response_{status}", str(response.get("status_details")))
                 turn.utterance.finish(now_s, "failed")
             turn.done.set()
+
+
+def turn_steps(turn: _Turn, timings: dict[str, float]) -> dict[str, float]:
+    """A completed talk-mode turn's split (see the module docstring), ms; steps that did not happen are left out."""
+    steps: dict[str, float] = {}
+    if "client_voice_to_voice" in timings:
+        steps["voice_to_voice"] = timings["client_voice_to_voice"]
+    if turn.speech_stopped_s is not None:
+        steps["end_of_turn"] = (turn.speech_stopped_s - turn.speech_end_s) * 1000.0
+        if turn.transcribed_s is not None:
+            steps["transcription"] = (turn.transcribed_s - turn.speech_stopped_s) * 1000.0
+    for step in ("first_token", "first_audio"):
+        if step in timings:
+            steps[step] = timings[step]
+    if "client_turn_to_audio" in timings:
+        steps["turn_to_audio"] = timings["client_turn_to_audio"]
+    return steps
 
 
 def reported_timings(metadata: object) -> dict[str, float]:

@@ -25,6 +25,7 @@ from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings, 
 from omnigate.sessions.realtime.conversation import Conversation, ConversationError, Item, Response, ResponseStatus
 from omnigate.sessions.realtime.requests import (
     CancelChat,
+    ForgetAudio,
     ServiceFailed,
     SessionRequest,
     StartChat,
@@ -53,12 +54,14 @@ from omnigate.sessions.realtime.turn_audio import BYTES_PER_MS
 
 class ResponderPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How a session answers the user with an LLM: the model named in requests (None: the server's own), the
-    server's token cap per reply, the conversation's size in the request, and whether user turns are transcribed."""
+    server's token cap per reply, the conversation's size in the request, whether user turns are transcribed and
+    whether the recognizer streams (hears each turn's audio as it comes, :class:`HearAudio`)."""
 
     model: str | None = None
     max_tokens: int = 1024
     history_max_chars: int = 24_000
     transcription: bool = False
+    streaming_transcription: bool = False
     max_pending_transcriptions: int = 4
 
 
@@ -161,17 +164,20 @@ class Answering:
 
     # ---- user turns ---------------------------------------------------------------------------------------------
 
-    def turn_committed(self, item: Item, pcm: bytes, now: float) -> None:
-        """A user audio turn ended: transcribe it and, under ``create_response``, answer it."""
-        if not self.policy.transcription or not pcm:
+    def turn_committed(self, item: Item, pcm: bytes, now: float, heard_bytes: int = 0) -> None:
+        """A user audio turn ended: transcribe it and, under ``create_response``, answer it. ``pcm`` is its audio
+        the recognizer has not heard yet; ``heard_bytes``, what it heard as the turn went (:class:`HearAudio`)."""
+        if not self.policy.transcription or not (pcm or heard_bytes):
             return  # without a transcript the LLM cannot hear an audio turn
         if len(self._transcribing) >= self.policy.max_pending_transcriptions:
+            if heard_bytes:
+                self.request(ForgetAudio())
             message = f"more than {self.policy.max_pending_transcriptions} turns are waiting for transcription"
             self._transcription_error(item.id, "asr_backlog", message)
             return
         timing = TurnTiming(now)
         timing.mark("asr_sent", now)
-        self._transcribing[item.id] = (item, len(pcm) / BYTES_PER_MS / 1000.0)
+        self._transcribing[item.id] = (item, (len(pcm) + heard_bytes) / BYTES_PER_MS / 1000.0)
         self._turn_timings[item.id] = timing
         self._next_timing = timing
         self.request(Transcribe(item.id, pcm))

@@ -25,7 +25,20 @@ class Transcribe(msgspec.Struct, frozen=True):
     :meth:`RealtimeSession.transcription_failed`)."""
 
     item_id: str
-    pcm: bytes  # 24 kHz mono s16le
+    pcm: bytes  # 24 kHz mono s16le (streaming: the turn's audio not yet sent as HearAudio)
+
+
+class HearAudio(msgspec.Struct, frozen=True):
+    """More audio of the user's turn in progress (24 kHz mono s16le, in order), for a streaming recognizer (the
+    policy's ``streaming_transcription``): decode it as it comes. The turn's :class:`Transcribe` carries the rest
+    of its audio and ends it; a :class:`ForgetAudio` drops it."""
+
+    pcm: bytes
+
+
+class ForgetAudio(msgspec.Struct, frozen=True):
+    """The turn :class:`HearAudio` was feeding is no turn (the buffer was cleared, turn detection restarted, the
+    turn was not transcribed): drop what was heard of it."""
 
 
 class StartChat(msgspec.Struct, frozen=True):
@@ -55,4 +68,6 @@ class ServiceFailed(msgspec.Struct, frozen=True):
     code: str
 
 
-SessionRequest = ScoreSpeech | Transcribe | StartChat | CancelChat | TurnMeasured | ServiceFailed
+SessionRequest = (
+    ScoreSpeech | HearAudio | ForgetAudio | Transcribe | StartChat | CancelChat | TurnMeasured | ServiceFailed
+)

@@ -91,7 +91,7 @@ from omnigate.sessions.realtime.outbox import (
     RealtimeOutbox,
     RealtimeOutput,
 )
-from omnigate.sessions.realtime.requests import ScoreSpeech, SessionRequest
+from omnigate.sessions.realtime.requests import ForgetAudio, HearAudio, ScoreSpeech, SessionRequest
 from omnigate.sessions.realtime.response_events import closing_events
 from omnigate.sessions.realtime.server_events import (
     AudioDelta,
@@ -268,6 +268,9 @@ class RealtimeSession:
         self._vad_queue = bytearray()
         self._scoring = False
         self._turn_audio = TurnAudio(limits.input_max_bytes)
+        # a streaming recognizer hears each turn as it comes; this much of the turn in progress went to it
+        self._streaming = responder is not None and responder.transcription and responder.streaming_transcription
+        self._heard_bytes = 0
         self.answering = Answering(self, responder, on_request) if responder is not None else None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -424,6 +427,7 @@ class RealtimeSession:
             self.engine.clear_input()
             self._pending_input_bytes = 0
             self._turn_audio.take_all()
+            self._forget_heard()
             self._emit(InputCleared(event_id=self._event_id()))
         elif isinstance(event, OutputAudioBufferClear):
             self._on_output_clear()
@@ -490,6 +494,8 @@ class RealtimeSession:
             return
         if self.responder is not None and self.responder.transcription and not self.caps.native_duplex:
             self._turn_audio.add(pcm)
+            if self._streaming and self._detector is None:
+                self._hear(self._turn_audio.take_all())  # without a detector all audio is the turn's
         if self._detector is not None:
             self._vad_feed(pcm)
 
@@ -503,6 +509,7 @@ class RealtimeSession:
         self._commit_turn(self._user_item_id or self._ids("item"), self._turn_audio.take_all(), now)
 
     def _commit_turn(self, item_id: str, pcm: bytes, now: float) -> None:
+        heard, self._heard_bytes = self._heard_bytes, 0
         self._pending_input_bytes = 0
         self._user_item_id = None
         item = Item(id=item_id, role="user", status="completed", content=[Part(type="input_audio")])
@@ -511,7 +518,7 @@ class RealtimeSession:
         self._emit(ItemAdded(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
         self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
         if self.answering is not None:
-            self.answering.turn_committed(item, pcm, now)
+            self.answering.turn_committed(item, pcm, now, heard)
 
     def _on_item_create(self, event: ConversationItemCreate) -> None:
         if not self.caps.speaks_text_items:
@@ -840,6 +847,7 @@ class RealtimeSession:
             max_turn_ms = None if self.caps.native_duplex else self.limits.input_max_bytes / 2 * 1000.0 / ENGINE_RATE
             self._detector = TurnDetector(td.settings, WINDOW_MS, max_turn_ms)
             self._turn_audio.restart()
+            self._forget_heard()
         else:
             self._detector.settings = td.settings
 
@@ -887,6 +895,9 @@ class RealtimeSession:
             padding_ms = self._detector.settings.prefix_padding_ms
             self._pending_input_bytes = min(self._pending_input_bytes, padding_ms * ENGINE_RATE * 2 // 1000)
             self._turn_audio.keep_from(self._detector.position_ms - padding_ms)
+        elif self._streaming and self._detector is not None:
+            # The turn so far, up to the audio scored: what follows may be the pause that ends it.
+            self._hear(self._turn_audio.take_until(self._detector.position_ms))
         self._request_scoring()
 
     def _on_speech_started(self, audio_start_ms: int) -> None:
@@ -911,6 +922,16 @@ class RealtimeSession:
         item_id = self._user_item_id or self._ids("item")
         self._emit(SpeechStopped(event_id=self._event_id(), audio_end_ms=audio_end_ms, item_id=item_id))
         self._commit_turn(item_id, self._turn_audio.take_until(audio_end_ms), now)
+
+    def _hear(self, pcm: bytes) -> None:
+        if pcm:
+            self._heard_bytes += len(pcm)
+            self.on_request(HearAudio(pcm))
+
+    def _forget_heard(self) -> None:
+        if self._heard_bytes:
+            self._heard_bytes = 0
+            self.on_request(ForgetAudio())
 
     # ---- output -------------------------------------------------------------------------------------------------
 
