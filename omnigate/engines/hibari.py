@@ -113,9 +113,11 @@ class HibariEngine(UnitVoiceEngine):
         return engine
 
     def warm_up(self) -> None:
-        """Synthesize once: it loads the G2P, onnxruntime's first run is slow, and it measures the voice's audio per
-        phoneme and its cost per second of audio on this machine (``info.rtf_hint``, where headroom admission
-        starts)."""
+        """Synthesize once: it loads the G2P and its model of unknown words, onnxruntime's first run is slow, and it
+        measures the voice's audio per phoneme and its cost per second of audio on this machine (``info.rtf_hint``,
+        where headroom admission starts)."""
+        # The G2P loads its model of out-of-vocabulary words at the first such word: here, not in a stream's step.
+        self.tts.g2p.oov  # noqa: B018 - loaded by the property
         phonemes = "".join(self.tts.phonemize(_WARM_UP_TEXT))
         ids: list[int] = self.tts.ids(phonemes)
         stream = self.open(SynthesisParams(voice=PACKAGE_VOICE))

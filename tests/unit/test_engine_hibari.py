@@ -77,6 +77,7 @@ def test_info_describes_the_packaged_voice(engine: HibariEngine) -> None:
     assert info.capabilities.speed and "en" in info.capabilities.languages
     assert (info.max_batch, info.workers, info.synthetic) == (1, 1, False)
     assert info.rtf_hint is not None and 0.0 < info.rtf_hint < 1.0
+    assert engine.tts.g2p._oov is not None  # the model of unknown words is loaded at load, not in a stream's step
     # Every OpenAI voice name speaks with the one served voice.
     assert set(info.voice_aliases().values()) == {"heart"} and "alloy" in info.voice_aliases()
 
