@@ -2,9 +2,9 @@
 
 Each text unit is phonemized by piper (espeak-ng) and streamed per sentence by :mod:`omnigate.engines.unit_voice`:
 pieces of at most ``piece_ms`` of audio, the first one short, handed out in chunks of at most ``chunk_ms`` as the
-stream's credit allows. All workers share one ``InferenceSession``: onnxruntime allows
-concurrent ``run`` calls on a session and releases the GIL while it runs, and each run is held to one intra-op
-thread so that ``workers`` workers (by default, every core the process may use) use that many cores.
+stream's credit allows. All workers share one ``InferenceSession``: onnxruntime allows concurrent ``run`` calls on a
+session and releases the GIL while it runs, and each run is held to one intra-op thread so that ``workers`` workers
+(by default, every core the process may use) use that many cores.
 
 Batching units into one padded call does not pay on CPU (``benchmarks/piper_onnx.py``), so each step synthesizes
 one stream's piece.
