@@ -61,7 +61,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: str = "piper"
+    engine: str = "hibari"
     model: str | None = None
     engine_options: dict[str, str] = {}
     # where engines run: "local" (this process) or "ray" (engine replicas on a Ray cluster, see deploy/)

@@ -78,10 +78,8 @@ def pip_installs(calls: list[str]) -> list[str]:
 
 def test_serve_help_installs_once_then_only_when_pyproject_changes(checkout: Checkout) -> None:
     calls, stderr = checkout.run("serve", "--help")
-    assert pip_installs(calls) == [
-        f"python -m pip install --quiet --disable-pip-version-check -e {checkout.root}[piper]"
-    ]
-    assert calls[-1] == "omnigate serve --help" and "installing omnigate[piper]" in stderr
+    assert pip_installs(calls) == [f"python -m pip install --quiet --disable-pip-version-check -e {checkout.root}"]
+    assert calls[-1] == "omnigate serve --help" and "installing omnigate " in stderr
     calls, stderr = checkout.run("serve", "--help")
     assert calls == ["omnigate serve --help"] and stderr == ""
     pyproject = checkout.root / "pyproject.toml"
@@ -89,6 +87,25 @@ def test_serve_help_installs_once_then_only_when_pyproject_changes(checkout: Che
     calls, _ = checkout.run("serve", "--help")
     assert len(pip_installs(calls)) == 1
     calls, _ = checkout.run("serve", "--help")
+    assert pip_installs(calls) == []
+
+
+@pytest.mark.parametrize("engine", [["--engine", "piper"], ["--engine=piper"]])
+def test_serve_installs_the_piper_extra_when_piper_is_asked_for(checkout: Checkout, engine: list[str]) -> None:
+    checkout.run("serve", "--port", "8001")  # the default voice: no extra
+    calls, stderr = checkout.run("serve", "--port", "8001", *engine)
+    assert pip_installs(calls) == [
+        f"python -m pip install --quiet --disable-pip-version-check -e {checkout.root}[piper]"
+    ]
+    assert "installing omnigate[piper]" in stderr
+    assert calls[-1] == f"omnigate serve --port 8001 {' '.join(engine)}"
+    calls, _ = checkout.run("serve", *engine)
+    assert pip_installs(calls) == []  # recorded beside the default install
+    assert sorted(p.name for p in checkout.venv.glob(".omnigate-installed-*")) == [
+        ".omnigate-installed-base",
+        ".omnigate-installed-piper",
+    ]
+    calls, _ = checkout.run("serve", "--model", "piper")  # piper as another option's value is not the engine
     assert pip_installs(calls) == []
 
 

