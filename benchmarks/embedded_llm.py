@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
