@@ -12,6 +12,9 @@ MAX_INPUT_CHARS = 4096
 # The slowest speech the audio limit is sized for: 10 characters a second at speed 1 (slow, deliberate reading;
 # piper's voice reads the load-test corpus at 16.5), slower still by the request's speed.
 SLOWEST_CHARS_PER_S = 10.0
+# The conversation sent to the embedded LLM at most: its 2048-token context less a 512-token answer, at the ~3.5
+# characters a token of SmolLM2's tokenizer on English, with room for the chat markup.
+EMBEDDED_LLM_HISTORY_CHARS = 4_500
 
 
 class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from omnigate.gateway.cli.serve import build_parser, settings_from_args
 from omnigate.gateway.realtime.responder_clients import ResponderClients
-from omnigate.gateway.settings import ResponderSettings, Settings, responder_summary
+from omnigate.gateway.settings import EMBEDDED_LLM_HISTORY_CHARS, ResponderSettings, Settings, responder_summary
 from omnigate.web import web_routes
 
 
@@ -28,6 +28,7 @@ def test_without_an_llm_url_the_embedded_llm_answers_and_a_url_wins(monkeypatch:
     monkeypatch.delenv("OMNIGATE_EMBEDDED_AGENT")  # the test servers' default: off
     embedded = settings_from_args(parse()).responder
     assert embedded is not None and (embedded.llm_url, embedded.embedded_llm) == (None, True)
+    assert embedded.history_max_chars == EMBEDDED_LLM_HISTORY_CHARS  # what the embedded LLM's context holds
     remote = settings_from_args(parse("--llm-url", "http://127.0.0.1:8080/v1")).responder
     assert remote is not None and (remote.llm_url, remote.embedded_llm) == ("http://127.0.0.1:8080/v1", False)
     with pytest.raises(ValueError, match="needs an LLM"):

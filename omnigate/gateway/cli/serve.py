@@ -20,7 +20,7 @@ from omnigate.gateway.cli.reliability import (
     reliability_settings,
 )
 from omnigate.gateway.ops.logging import configure_logging
-from omnigate.gateway.settings import ResponderSettings, Settings
+from omnigate.gateway.settings import EMBEDDED_LLM_HISTORY_CHARS, ResponderSettings, Settings
 
 _DEFAULTS = Settings()
 CORES_PER_WORKER = 4  # a gateway worker's loop, with room beside it for the engine core and its host work
@@ -476,7 +476,9 @@ def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
         asr_timeout_s=args.asr_timeout,
         asr_max_audio_s=args.asr_max_audio,
         connect_timeout_s=args.service_connect_timeout,
-        history_max_chars=args.history_max_chars,
+        history_max_chars=min(args.history_max_chars, EMBEDDED_LLM_HISTORY_CHARS)
+        if embedded_llm
+        else args.history_max_chars,
     )
 
 
