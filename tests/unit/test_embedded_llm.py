@@ -157,7 +157,8 @@ class Answer:
 
 
 def started(model: LlmModel, **options: Any) -> LlmEngine:
-    engine = LlmEngine(lambda: model, **{"max_sessions": model.slots, **options})
+    # threads=None: the test process's torch threads are left as they are
+    engine = LlmEngine(lambda: model, **{"max_sessions": model.slots, "threads": None, **options})
     engine.start()
     assert engine.wait_loaded(60.0) and engine.ready
     return engine
@@ -275,7 +276,7 @@ async def test_the_chat_client_waits_a_bounded_time_for_the_model_then_answers_a
         release.wait()
         return model
 
-    engine = LlmEngine(load, max_sessions=model.slots)
+    engine = LlmEngine(load, max_sessions=model.slots, threads=None)
     engine.start()
     chat = EmbeddedChat(engine, load_wait_s=0.01, seed=5)
     try:
@@ -297,7 +298,7 @@ async def test_a_model_that_failed_to_load_fails_each_request_typed() -> None:
     def load() -> LlmModel:
         raise OSError("no weights here")
 
-    engine = LlmEngine(load)
+    engine = LlmEngine(load, threads=None)
     engine.start()
     try:
         chat = EmbeddedChat(engine, load_wait_s=60.0)

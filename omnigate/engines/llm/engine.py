@@ -4,8 +4,8 @@ The worker loads the model first (the server is ready before it is: :attr:`LlmEn
 start), then loops. Each loop samples the next token of every answer that has logits (its prompt is prefilled) in
 one batched call, and runs ONE forward over one new token of each answer that goes on plus the next chunks of the
 prompts being prefilled, within :data:`PREFILL_TOKENS_PER_STEP` prompt tokens a loop: a long prompt arriving delays
-the answers in flight by one chunk's forward, never by its whole prefill. Sampling is seeded per answer (the noise is
-a function of the answer's seed and token index), so an answer's tokens do not depend on the others in its steps.
+the answers in flight by one chunk's forward, never by its whole prefill. Sampling is seeded per answer (its uniforms
+come from the answer's own seeded generator), so an answer's tokens do not depend on the others in its steps.
 
 Bounded: ``max_sessions`` answers at once (one cache slot each; ``submit`` past it raises ``engine_busy``), a prompt
 and its answer within ``max_context`` tokens (a longer prompt ends typed ``context_length_exceeded``), and at most
@@ -28,9 +28,8 @@ import torch
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.llm.model import LlmModel
+from omnigate.engines.omni.sampling import sample_rows
 from omnigate.engines.omni.tokenizer import IncrementalDecoder
-from omnigate.kernels.sampling import sample_tokens_reference
-from omnigate.kernels.sampling_types import SamplingRows, Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,10 @@ PREFILL_TOKENS_PER_STEP = 256
 DEFAULT_SESSIONS = 8
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_ANSWER_TOKENS = 512
+# torch's intra-op threads for the worker. One: on cores shared with the event loop, the voice and the VAD, a second
+# thread makes every op wait for the busiest core at its barrier; on 2 loaded cores (load ~7) a SmolLM2 token took
+# 0.7-1.5 s with 2 threads and 0.11 s with 1.
+DEFAULT_THREADS = 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 LlmStop = Literal["stop", "length", "cancelled", "error"]
@@ -94,9 +97,15 @@ class LlmJob:
     logits: torch.Tensor | None = None  # [vocab]: the next token's, once the whole prompt is in
     tokens: int = 0
     decoder: IncrementalDecoder | None = None
+    generator: torch.Generator | None = None  # the answer's uniforms, seeded with its request's seed
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def next_logits(self) -> torch.Tensor:
+        if self.logits is None:
+            raise RuntimeError("the job has no logits: its prompt is not in yet, or it has ended")
+        return self.logits
 
     @property
     def answering(self) -> bool:
@@ -113,11 +122,13 @@ class LlmEngine:
         *,
         max_sessions: int = DEFAULT_SESSIONS,
         max_answer_tokens: int = DEFAULT_MAX_ANSWER_TOKENS,
+        threads: int | None = DEFAULT_THREADS,
     ) -> None:
         if max_sessions < 1 or max_answer_tokens < 1:
             raise ValueError("max_sessions and max_answer_tokens must be positive")
         self.max_sessions = max_sessions
         self.max_answer_tokens = max_answer_tokens
+        self.threads = threads  # None: torch's own setting
         self._load = load
         self.model: LlmModel | None = None
         self.load_error: str | None = None
@@ -189,6 +200,8 @@ class LlmEngine:
 
     def _run(self) -> None:
         started = time.perf_counter()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # the process's intra-op pool, set here where the forwards run
         try:
             model = self._load()
         except Exception as exc:
@@ -256,6 +269,7 @@ class LlmEngine:
         job.prompt = prompt
         job.slot = self._free_slots.pop()
         job.decoder = IncrementalDecoder(model.tokenizer)
+        job.generator = torch.Generator().manual_seed(job.request.seed)
         model.reset(job.slot)
         return True
 
@@ -267,7 +281,7 @@ class LlmEngine:
         fed: list[LlmJob] = []
         sampling = [j for j in jobs if j.logits is not None]
         if sampling:
-            for job, token in zip(sampling, self._sample(model, sampling), strict=True):
+            for job, token in zip(sampling, self._sample(sampling), strict=True):
                 if self._emit_token(model, job, token):
                     slots.append(self._slot(job))
                     rows.append([token])
@@ -299,23 +313,26 @@ class LlmEngine:
             if job.prompt is not None and job.prefilled == len(job.prompt):
                 job.logits = out
 
-    def _sample(self, model: LlmModel, jobs: list[LlmJob]) -> list[int]:
-        count = len(jobs)
-        requests = [j.request for j in jobs]
-        rows = SamplingRows(
-            temperature=torch.tensor([max(r.temperature, 0.0) for r in requests], dtype=torch.float32),
-            top_k=torch.zeros(count, dtype=torch.int32),
-            top_p=torch.tensor([r.top_p for r in requests], dtype=torch.float32),
-            penalty=torch.ones(count, dtype=torch.float32),
-            seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64),
-            counters=torch.tensor([j.tokens for j in jobs], dtype=torch.int64),
-            history_slots=torch.zeros(count, dtype=torch.int64),
-            ring=torch.zeros(count, dtype=torch.int64),
-        )
-        logits = torch.stack([j.logits for j in jobs if j.logits is not None])
-        history = torch.empty(1, 0, dtype=torch.int64)
-        ids = sample_tokens_reference(logits, rows, history, 0, Vocabulary(valid_ids=model.vocab, eos_id=-1))
-        tokens: list[int] = ids.tolist()
+    @staticmethod
+    def _sample(jobs: list[LlmJob]) -> list[int]:
+        """The next token of each job: greedy at temperature 0, else drawn by inverse CDF with a uniform from the
+        job's own seeded generator (an answer's tokens do not depend on the answers beside it), from the smallest
+        set of ids holding ``top_p`` of the probability when that is below 1. The sort that set needs is done only
+        for the rows that ask for it: over SmolLM2's 49k ids it costs more than the rest of the sampling."""
+        logits = torch.stack([j.next_logits() for j in jobs])
+        temperature = torch.tensor([max(j.request.temperature, 0.0) for j in jobs])
+        uniforms = torch.tensor([float(torch.rand((), generator=j.generator)) for j in jobs], dtype=torch.float64)
+        nucleus = [i for i, j in enumerate(jobs) if j.request.temperature > 0 and j.request.top_p < 1]
+        if nucleus:
+            index = torch.tensor(nucleus)
+            top_p = torch.tensor([jobs[i].request.top_p for i in nucleus])[:, None]
+            rows = logits.index_select(0, index)
+            probs = torch.softmax(rows / temperature.index_select(0, index)[:, None], dim=-1)
+            ordered, order = probs.sort(dim=-1, descending=True)
+            outside = (ordered.cumsum(dim=-1) - ordered) >= top_p  # the ids after the set reached top_p
+            drop = torch.zeros_like(outside).scatter(1, order, outside)
+            logits.index_copy_(0, index, rows.masked_fill(drop, float("-inf")))
+        tokens: list[int] = sample_rows(logits, temperature, uniforms).tolist()
         return tokens
 
     def _emit_token(self, model: LlmModel, job: LlmJob, token: int) -> bool:
