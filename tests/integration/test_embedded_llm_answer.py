@@ -104,3 +104,4 @@ async def test_a_text_question_gets_a_spoken_answer_from_the_embedded_llm(embedd
     audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
     assert len(audio) / 48000 > 0.5, "half a second of spoken answer or more"
     assert speech_fraction(audio, 24000) > 0.5
+    assert float(done["metadata"]["omnigate_first_token_ms"]) > 0.0  # the turn's timings include the embedded LLM's
