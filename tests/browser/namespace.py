@@ -26,7 +26,7 @@ def unshare_refusal() -> str | None:
     return None if probe.returncode == 0 else f"unshare -n is not permitted: {probe.stderr.strip()}"
 
 
-def run_in_namespace(module: str, out: Path) -> subprocess.CompletedProcess[str]:
+def run_in_namespace(module: str, out: Path, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """Run ``python -m module OUT`` in a fresh namespace (the module starts the server and drives Chromium)."""
     script = f'{NAMESPACE_SETUP} && exec "$0" -m {module} "$1"'
     return subprocess.run(
@@ -34,6 +34,6 @@ def run_in_namespace(module: str, out: Path) -> subprocess.CompletedProcess[str]
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT_S,
+        timeout=timeout_s,
         check=False,
     )

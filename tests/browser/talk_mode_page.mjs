@@ -8,7 +8,7 @@ import { join } from "node:path";
 import { launchChromium } from "./chromium.mjs";
 
 const [url, outDir, microphone] = process.argv.slice(2);
-const TIMEOUT_MS = 60000;
+const TIMEOUT_MS = Number(process.env.TALK_TIMEOUT_MS ?? 60000); // per wait
 const QUIET_MS = 800; // the reply has played out once the page has been quiet this long after response.done
 
 const browser = await launchChromium([

@@ -27,11 +27,11 @@ REPLY = "Sure, a table for two at eight tonight."
 SILENCE_S = 12.0  # after the turn: room for the reply before the recording loops
 
 
-def microphone_file(path: Path) -> None:
-    """The recorded turn then silence, as the 48 kHz 16-bit WAV Chromium's fake microphone plays."""
+def microphone_file(path: Path, silence_s: float = SILENCE_S) -> None:
+    """The recorded turn then ``silence_s`` of silence, as the 48 kHz 16-bit WAV Chromium's fake microphone plays."""
     speech = np.frombuffer(load_speech(SPEECH_FILE), dtype="<i2").astype(np.float64)
     upsampled = np.interp(np.arange(speech.size * 2) / 2.0, np.arange(speech.size), speech)
-    pcm = np.concatenate([upsampled, np.zeros(int(48_000 * SILENCE_S))]).astype("<i2")
+    pcm = np.concatenate([upsampled, np.zeros(int(48_000 * silence_s))]).astype("<i2")
     with wave.open(str(path), "wb") as out:
         out.setnchannels(1)
         out.setsampwidth(2)
