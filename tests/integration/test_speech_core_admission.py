@@ -1,6 +1,7 @@
 """``omnigate serve --engine-process core --workers 2``: the engine core admits speech sessions itself, so a burst of
 connections spread over both gateway workers gets exactly the engine's room: every admitted session is served to
-the end, every other connection is refused at once with the typed ``engine_busy`` and a retry hint. Real serve
+the end, every other connection is refused at once with the typed ``engine_busy`` and a retry hint; and the core's
+steps reach the workers' ``/metrics``. Real serve
 processes, real websocket clients; which worker a connection lands on is the kernel's choice."""
 
 from __future__ import annotations
@@ -8,15 +9,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from tests.integration.test_duplex_core import wait_metric
 from tests.integration.test_duplex_workers import both_workers_serve
-from tests.integration.test_engine_core import LIMIT_S, SENTENCE, STREAM, core_server, pcm_bytes
+from tests.integration.test_engine_core import LIMIT_S, SENTENCE, STREAM, core_server, pcm_bytes, speak
 from tests.integration.ws_client import send
 
 pytestmark = pytest.mark.slow
@@ -89,3 +93,18 @@ async def test_a_burst_over_two_workers_admits_exactly_the_engines_room(tmp_path
                         break
                     assert_refused(outcome)
             assert_refused(await speak_on(await stack.enter_async_context(connect(url))))
+
+
+async def test_the_cores_steps_reach_the_workers_metrics(tmp_path: Path) -> None:
+    async with core_server(tmp_path, ["--model", "rtf=0.2"]) as server:
+        received, _ = await speak(server.url, SENTENCE)
+        assert received == pcm_bytes(SENTENCE)
+        # The core's steps reach each worker's /metrics as the in-process pool's do: the step-time and batch
+        # histograms, and the engine's busy fraction.
+        await wait_metric(server, "omnigate_engine_step_duration_seconds_count", lambda steps: steps > 0)
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"http://127.0.0.1:{server.port}/metrics")).text
+        assert re.search(r'^omnigate_engine_step_duration_seconds_bucket\{le="0.05"\} ', metrics, re.MULTILINE)
+        assert re.search(r"^omnigate_engine_batch_size_sum [1-9]", metrics, re.MULTILINE)
+        busy = re.search(r"^omnigate_engine_busy_fraction (\S+)", metrics, re.MULTILINE)
+        assert busy is not None and 0.0 <= float(busy.group(1)) <= 1.0

@@ -21,7 +21,7 @@ from omnigate.engines.base import (
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.registry import load_engine
 from omnigate.engines.talker.context import ContextSegment
-from omnigate.engines.talker.engine import TalkerEngine
+from omnigate.engines.talker.engine import STAGES, TalkerEngine
 from omnigate.engines.talker.frames import CLOSING
 from omnigate.engines.talker.model import build_preset
 from omnigate.engines.talker.options import TalkerOptions
@@ -396,3 +396,12 @@ def test_prefill_from_ids_equals_the_prefill_of_their_embeddings() -> None:
     from_embeddings = frames.prefill([1], [embedded])
     torch.testing.assert_close(from_ids, from_embeddings, rtol=0, atol=0)
     assert frames.cache.length(0) == frames.cache.length(1) == 5
+
+
+def test_the_steps_time_is_counted_by_stage() -> None:
+    timed = make_engine(overlap_steps=True)
+    assert set(timed.stage_seconds()) == set(STAGES) and not any(timed.stage_seconds().values())
+    drain(timed, open_stream(timed, ["Timed."], seed=1, max_audio_ms=800))
+    stages = timed.stage_seconds()
+    # every stage ran, and a stage's time is never negative (the device wait is not counted twice)
+    assert all(seconds > 0 for seconds in stages.values()), stages

@@ -118,6 +118,13 @@ class ReplicaStats(msgspec.Struct, frozen=True):
     failed_steps_total: int
     worker_restarts_total: int
     step_timeouts_total: int
+    # the step-time and batch-size histograms' bucket counts (bounds: omnigate.engines.step_stats), the fraction of
+    # the last seconds the workers spent stepping, and the engine's seconds by stage (Engine.stage_seconds)
+    step_counts: list[int] = []
+    batch_counts: list[int] = []
+    batch_total: int = 0
+    busy_fraction: float = 0.0
+    stage_seconds: dict[str, float] = {}
 
 
 class DrainResult(msgspec.Struct, frozen=True):

@@ -31,6 +31,7 @@ from omnigate.engines.remote.protocol import (
     decode_open,
     encode,
 )
+from omnigate.engines.step_stats import BusyWindow, StepCounts
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,11 @@ class ReplicaCore:
         self.gateway_lease_s = gateway_lease_s
         self._heard: dict[str, float] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self.step_counts = StepCounts()
+        self._busy = BusyWindow(workers=engine.info.workers)
         self.pool = EnginePool(
             engine,
+            step_observer=self.step_counts.observe,
             ttfa_target_s=ttfa_target_s,
             retry_after_s=retry_after_s,
             step_timeout_s=step_timeout_s,
@@ -205,6 +209,11 @@ class ReplicaCore:
                 failed_steps_total=pool.failed_steps_total,
                 worker_restarts_total=pool.worker_restarts_total,
                 step_timeouts_total=pool.step_timeouts_total,
+                step_counts=list(self.step_counts.step_counts),
+                batch_counts=list(self.step_counts.batch_counts),
+                batch_total=self.step_counts.batch_total,
+                busy_fraction=self._busy.sample(time.monotonic(), pool.step_seconds_total),
+                stage_seconds=pool.engine.stage_seconds(),
             )
         )
 
