@@ -459,7 +459,7 @@ class EnginePool:
         self.failed_total += 1
         outputs: list[EngineOutput] = [StreamDone(reason="error", error=error)]
         with contextlib.suppress(RuntimeError):
-            ps.loop.call_soon_threadsafe(self._deliver, ps, outputs)
+            ps.loop.call_soon_threadsafe(self._deliver, [(ps, outputs)])
 
     def _watchdog(self) -> None:
         """Fail the streams of a step that overruns ``step_timeout_s``; sleeps until the earliest step deadline."""
@@ -520,6 +520,9 @@ class EnginePool:
             else:
                 self.consecutive_failures = 0
             step_audio_ms = 0.0
+            # every stream's outputs of this step, handed to each event loop in one call (one wake-up, not one per
+            # stream: at hundreds of streams per step the hand-off is the loop's largest cost)
+            handoff: dict[asyncio.AbstractEventLoop, list[tuple[PoolStream, list[EngineOutput]]]] = {}
             for ps, out, needed_at in zip(batch, outputs, due, strict=True):
                 if not failed and ps.first_chunk_at is not None and any(isinstance(item, AudioChunk) for item in out):
                     # Too late for a listener already playing; a slow first chunk underruns nobody (the cost estimate
@@ -555,14 +558,17 @@ class EnginePool:
                 if ps.finished:
                     self._close_locked(ps)
                 if out:
-                    # A closed loop has nobody left to receive the outputs.
-                    with contextlib.suppress(RuntimeError):
-                        ps.loop.call_soon_threadsafe(self._deliver, ps, out)
+                    handoff.setdefault(ps.loop, []).append((ps, out))
+            for loop, delivered in handoff.items():
+                # A closed loop has nobody left to receive the outputs.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._deliver, delivered)
             if not failed:
                 self.admission.observe_step(now, now - t0, step_audio_ms, len(batch))
             self._cond.notify_all()
 
-    def _deliver(self, ps: PoolStream, outputs: list[EngineOutput]) -> None:
+    def _deliver(self, delivered: list[tuple[PoolStream, list[EngineOutput]]]) -> None:
         # Runs on the loop, where abort() runs too: nothing reaches a sink after its stream was aborted.
-        if not ps.aborted:
-            ps.sink(outputs)
+        for ps, outputs in delivered:
+            if not ps.aborted:
+                ps.sink(outputs)

@@ -269,6 +269,7 @@ class RemoteEnginePool:
             raise EngineError("engine_unavailable", "no engine replica is reachable; retry shortly")
         loop = asyncio.get_running_loop()
         retry_after_s = self._retry_after_s
+        refused = False
         for name in names:
             link = self._links.get(name)
             if link is None:
@@ -290,9 +291,12 @@ class RemoteEnginePool:
                 return view
             task.cancel()
             if isinstance(message, Refused):
+                refused = True
                 busy = message.code == "engine_busy"
                 self.router.refused(name, None, free_slots=message.free_slots, draining=not busy)
                 retry_after_s = message.retry_after_s
+        if not refused:  # none answered: each was lost on the way (a restarted core, before the next poll)
+            raise EngineError("engine_unavailable", "no engine replica is reachable; retry shortly")
         raise PoolFull(retry_after_s)
 
     async def _hold(self, link: ReplicaLink, place_id: str, answer: asyncio.Future[Opened | Refused | None]) -> None:

@@ -79,10 +79,14 @@ async def speech_stream_endpoint(ws: WebSocket) -> None:
                     message = "the engine has no room for another session; retry shortly"
                     await _refuse(ws, "engine_busy", message, 1013, exc.retry_after_s)
                     return
-                except (PoolClosed, EngineError) as exc:
-                    code = exc.code if isinstance(exc, EngineError) else "shutting_down"
-                    await _refuse(ws, code, str(exc) or code, 1013, gateway.settings.retry_after_s)
+                except PoolClosed:
+                    message = "the server is shutting down"
+                    await _refuse(ws, "shutting_down", message, 1012, gateway.settings.retry_after_s)
                     return
+                except EngineError:
+                    # No engine reachable now (a restarted core, not seen yet): no admission was decided, and the
+                    # session's utterances meet the engine's own refusal, or its typed unavailability, at open.
+                    pass
             elif gateway.settings.admission == "headroom" and not gateway.pool.has_free_slot():
                 # No headroom: a new session would make the admitted ones late (sessions already here keep theirs).
                 message = "the engine has no headroom for another session; retry shortly"
