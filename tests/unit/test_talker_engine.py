@@ -339,6 +339,28 @@ def test_new_units_beyond_the_prefill_budget_start_next_step() -> None:
         budgeted.close(stream)
 
 
+def test_a_unit_waiting_for_prefill_room_is_tokenized_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    budgeted = make_engine(prefill_tokens_per_step=20)
+    encoded: list[str] = []
+    encode = budgeted.model.segments.encode
+
+    def counted(voice: str, text: str) -> list[int]:
+        encoded.append(text)
+        return encode(voice, text)
+
+    monkeypatch.setattr(budgeted.model.segments, "encode", counted)
+    texts = [f"Unit number {k} of some length." for k in range(4)]
+    streams = [open_stream(budgeted, [text], seed=50 + k, max_audio_ms=400) for k, text in enumerate(texts)]
+    started: set[int] = set()
+    while len(started) < len(streams):  # one unit a step: the others wait for the budget, step after step
+        for k, out in enumerate(budgeted.step(streams, [UNLIMITED] * len(streams))):
+            if any(isinstance(item, SegmentStarted) for item in out):
+                started.add(k)
+    assert sorted(encoded) == sorted(texts)
+    for stream in streams:
+        budgeted.close(stream)
+
+
 def test_top_p_and_repetition_penalty_change_the_draws_deterministically() -> None:
     plain = audio_of(drain(engine_a := make_engine(), open_stream(engine_a, ["Options."], seed=40, max_audio_ms=640)))
     for options in ({"top_p": 0.5}, {"repetition_penalty": 1.5, "repetition_window": 4}):

@@ -366,11 +366,14 @@ class TalkerEngine(Engine):
             self._finish(stream, "max_duration")
             return None
         text = stream.pending_text[0]
-        tokens = self.model.segments.encode(stream.params.voice, text)
+        if stream.head_tokens is None or stream.head_tokens[0] is not text:
+            stream.head_tokens = (text, self.model.segments.encode(stream.params.voice, text))
+        tokens = stream.head_tokens[1]
         if room is not None and len(tokens) + 1 > room:
-            return None  # this step's prefill is full; the unit starts next step
+            return None  # this step's prefill is full; the unit starts next step, its tokens kept
         slot = self._acquire(stream)
         stream.pending_text.pop(0)
+        stream.head_tokens = None
         context = None
         if stream.has_context:
             tokens = [CLOSING, *tokens]
