@@ -34,6 +34,11 @@ fit the whole of the workers' time (the ``target_load`` margin is what a held sh
 sessions, so the next stream to open takes such a share, whoever's it is. :meth:`headroom` does not count held shares
 as taken, so they never keep a new session out for long.
 
+A session may hold a place of its own (:meth:`reserve`): a gateway that serves the pool from another process asks
+for it when the session connects, so the admission of sessions is decided here, exactly, whichever gateway process
+they reach. A held place counts as a stream carried while its session has no stream open (young until its first
+stream opens), and that session's streams open on it without another admission check. It is held until released.
+
 Policy ``slots`` admits by the slot count alone (the behaviour without headroom): every rule above is off.
 """
 
@@ -98,6 +103,9 @@ class AdmissionController:
         self.max_streams = max_streams
         self.max_batch = max_batch
         self.active = 0
+        # places held by sessions (:meth:`reserve`): ticket -> whether a stream of the session is open on it now
+        self._held: dict[int, bool] = {}
+        self._held_idle = 0
         self._reservations: deque[float] = deque()  # expiry times of completed streams' shares, ascending
         # streams admitted but not yet ahead of their playback: ticket -> when they opened (ascending)
         self._young: dict[int, float] = {}
@@ -132,10 +140,42 @@ class AdmissionController:
             self.late_total += 1
             self._closed_until = max(self._closed_until, now + self.settings.late_hold_s)
 
-    def opened(self, now: float) -> int:
-        """A stream was admitted (after :meth:`admits` said yes); returns its ticket, young until :meth:`ahead`."""
+    def reserve(self, now: float, slack_s: float | None = None) -> int | None:
+        """Hold a place for a session if one more stream fits now (``slack_s`` as for :meth:`headroom`): its ticket,
+        or None (a refusal, counted). The place is young until the session's first stream opens on it."""
+        if not self.admits(now, slack_s):
+            return None
+        self._tickets += 1
+        self._held[self._tickets] = False
+        self._held_idle += 1
+        self._young[self._tickets] = now
+        return self._tickets
+
+    def holds(self, ticket: int) -> bool:
+        """Whether ``ticket`` is a held place with no stream open on it (a stream of its session may take it)."""
+        return self._held.get(ticket) is False
+
+    def release(self, ticket: int) -> None:
+        """The session of a held place ended; a stream still open on it keeps counting until it closes."""
+        in_use = self._held.pop(ticket, None)
+        self._young.pop(ticket, None)
+        if in_use is False:
+            self._held_idle -= 1
+
+    @property
+    def held(self) -> int:
+        """Places held by sessions."""
+        return len(self._held)
+
+    def opened(self, now: float, held: int | None = None) -> int:
+        """A stream was admitted (after :meth:`admits` said yes, or on the held place ``held``, which :meth:`holds`
+        said is free); returns its ticket, young until :meth:`ahead`."""
         self._expire(now)
-        if self._reservations:
+        if held is not None and self.holds(held):
+            self._held[held] = True
+            self._held_idle -= 1
+            self._young.pop(held, None)  # the stream's own ticket prices its burst from here
+        elif self._reservations:
             self._reservations.popleft()
         self.active += 1
         self._tickets += 1
@@ -156,11 +196,16 @@ class AdmissionController:
         """Streams admitted but not yet ahead of their playback."""
         return len(self._young)
 
-    def closed(self, now: float, *, keep_share: bool, ticket: int | None = None) -> None:
-        """A stream ended; with ``keep_share`` (it completed) its share is held for the grace time."""
+    def closed(self, now: float, *, keep_share: bool, ticket: int | None = None, held: int | None = None) -> None:
+        """A stream ended; with ``keep_share`` (it completed) its share is held for the grace time, unless it ran on
+        the held place ``held``, which its session keeps."""
         self.active = max(0, self.active - 1)
         if ticket is not None:
             self._young.pop(ticket, None)
+        if held is not None and self._held.get(held) is True:
+            self._held[held] = False
+            self._held_idle += 1
+            return
         if keep_share and self.settings.policy == "headroom" and self.settings.grace_s > 0:
             self._expire(now)
             self._reservations.append(now + self.settings.grace_s)
@@ -200,7 +245,7 @@ class AdmissionController:
         now waits for a worker. Each stream counted prices the load once more, so a caller that only asks whether
         one more fits passes ``limit=1`` (a full count at a thousand streams takes milliseconds)."""
         self._expire(now)
-        carried = self.active
+        carried = self.active + self._held_idle
         room = self.max_streams - carried if limit is None else min(self.max_streams - carried, limit)
         if self.settings.policy == "slots":
             return max(0, room)
@@ -214,12 +259,13 @@ class AdmissionController:
     def admits(self, now: float, slack_s: float | None = None) -> bool:
         """Whether one more stream may open now (``slack_s`` as for :meth:`headroom`); counts a refusal when not."""
         self._expire(now)
+        carried = self.active + self._held_idle
         if self.settings.policy == "slots":
-            ok = self.active < self.max_streams
+            ok = carried < self.max_streams
         elif self._reservations:
             # A reserved share is this stream's (or a newcomer's within the grace): the pool carried it already, and
             # it may use the margin, not more: the young streams' bursts must still fit the workers.
-            ok = self.active < self.max_streams and self._fits(self.active, 0, 1.0)
+            ok = carried < self.max_streams and self._fits(carried, 0, 1.0)
         else:
             ok = self.headroom(now, slack_s, limit=1) > 0
         if not ok:

@@ -178,6 +178,11 @@ class Engine(abc.ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's own resources."""
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds its steps spent in each stage since load (waiting on the device, each host stage), for engines
+        that time them; read from any thread."""
+        return {}
+
 
 class EngineError(Exception):
     """A typed engine failure that fails only the affected streams; ``param`` names the offending parameter."""

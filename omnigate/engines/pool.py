@@ -101,6 +101,8 @@ class PoolStream:
     faulted: bool = False
     # admission's ticket while the stream is young (not yet ``ahead_lead_s`` ahead of its playback), else None
     young_ticket: int | None = None
+    # the place its session holds (:meth:`EnginePool.reserve`) that the stream runs on, else None
+    held: int | None = None
     ahead_lead_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -236,8 +238,30 @@ class EnginePool:
         with self._cond:
             return len(self._runnable_locked())
 
-    def open(self, params: SynthesisParams, sink: OutputSink, *, initial_credit_ms: float) -> PoolStream:
-        """Admit one utterance stream. Raises :class:`PoolFull` or :class:`PoolClosed`."""
+    def reserve(self) -> int:
+        """Hold a place for a session (admission decides as for a stream): its ticket, for :meth:`open` and
+        :meth:`release`. Raises :class:`PoolFull` or :class:`PoolClosed`."""
+        with self._cond:
+            if self._closing:
+                raise PoolClosed()
+            now = time.monotonic()
+            ticket = None
+            if len(self._streams) < self.info.max_sessions:
+                ticket = self.admission.reserve(now, self._slack_locked(now))
+            if ticket is None:
+                raise PoolFull(self.admission.retry_after_s(now, self._retry_after_s))
+            return ticket
+
+    def release(self, ticket: int) -> None:
+        """The session of the place ``ticket`` ended. Idempotent."""
+        with self._cond:
+            self.admission.release(ticket)
+
+    def open(
+        self, params: SynthesisParams, sink: OutputSink, *, initial_credit_ms: float, held: int | None = None
+    ) -> PoolStream:
+        """Admit one utterance stream: on the place ``held`` its session holds (:meth:`reserve`) while no other
+        stream runs on it, else by admission. Raises :class:`PoolFull` or :class:`PoolClosed`."""
         loop = asyncio.get_running_loop()
         stream = self.engine.open(params)
         with self._cond:
@@ -248,7 +272,10 @@ class EnginePool:
                 self.engine.close(stream)
                 raise EngineError("engine_unavailable", "the engine is not responding; retry shortly")
             now = time.monotonic()
-            if len(self._streams) >= self.info.max_sessions or not self.admission.admits(now, self._slack_locked(now)):
+            on_held = held is not None and self.admission.holds(held)
+            if len(self._streams) >= self.info.max_sessions or not (
+                on_held or self.admission.admits(now, self._slack_locked(now))
+            ):
                 self.engine.close(stream)
                 raise PoolFull(self.admission.retry_after_s(now, self._retry_after_s))
             ps = PoolStream(
@@ -263,7 +290,8 @@ class EnginePool:
                 waiting_since=now,
             )
             self._streams[ps.id] = ps
-            ps.young_ticket = self.admission.opened(now)
+            ps.held = held if on_held else None
+            ps.young_ticket = self.admission.opened(now, ps.held)
             ps.ahead_lead_s = self.admission.ahead_lead_s(initial_credit_ms)
             self._cond.notify()
             return ps
@@ -328,7 +356,7 @@ class EnginePool:
         # An aborted stream frees its share at once (its client left or cancelled); a completed one keeps it for its
         # session's next utterance.
         completed = ps.finished and not ps.faulted and not ps.aborted
-        self.admission.closed(time.monotonic(), keep_share=completed, ticket=ps.young_ticket)
+        self.admission.closed(time.monotonic(), keep_share=completed, ticket=ps.young_ticket, held=ps.held)
         ps.young_ticket = None
 
     def _slack_locked(self, now: float) -> float | None:
@@ -431,7 +459,7 @@ class EnginePool:
         self.failed_total += 1
         outputs: list[EngineOutput] = [StreamDone(reason="error", error=error)]
         with contextlib.suppress(RuntimeError):
-            ps.loop.call_soon_threadsafe(self._deliver, ps, outputs)
+            ps.loop.call_soon_threadsafe(self._deliver, [(ps, outputs)])
 
     def _watchdog(self) -> None:
         """Fail the streams of a step that overruns ``step_timeout_s``; sleeps until the earliest step deadline."""
@@ -492,6 +520,9 @@ class EnginePool:
             else:
                 self.consecutive_failures = 0
             step_audio_ms = 0.0
+            # every stream's outputs of this step, handed to each event loop in one call (one wake-up, not one per
+            # stream: at hundreds of streams per step the hand-off is the loop's largest cost)
+            handoff: dict[asyncio.AbstractEventLoop, list[tuple[PoolStream, list[EngineOutput]]]] = {}
             for ps, out, needed_at in zip(batch, outputs, due, strict=True):
                 if not failed and ps.first_chunk_at is not None and any(isinstance(item, AudioChunk) for item in out):
                     # Too late for a listener already playing; a slow first chunk underruns nobody (the cost estimate
@@ -527,14 +558,17 @@ class EnginePool:
                 if ps.finished:
                     self._close_locked(ps)
                 if out:
-                    # A closed loop has nobody left to receive the outputs.
-                    with contextlib.suppress(RuntimeError):
-                        ps.loop.call_soon_threadsafe(self._deliver, ps, out)
+                    handoff.setdefault(ps.loop, []).append((ps, out))
+            for loop, delivered in handoff.items():
+                # A closed loop has nobody left to receive the outputs.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._deliver, delivered)
             if not failed:
                 self.admission.observe_step(now, now - t0, step_audio_ms, len(batch))
             self._cond.notify_all()
 
-    def _deliver(self, ps: PoolStream, outputs: list[EngineOutput]) -> None:
+    def _deliver(self, delivered: list[tuple[PoolStream, list[EngineOutput]]]) -> None:
         # Runs on the loop, where abort() runs too: nothing reaches a sink after its stream was aborted.
-        if not ps.aborted:
-            ps.sink(outputs)
+        for ps, outputs in delivered:
+            if not ps.aborted:
+                ps.sink(outputs)

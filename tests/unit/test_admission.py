@@ -200,6 +200,37 @@ def test_slots_policy_counts_slots_only() -> None:
     assert admission.headroom(0.0) == 1
 
 
+def test_a_session_holds_its_place_between_its_streams_and_opens_on_it_when_full() -> None:
+    admission = AdmissionController(1, max_streams=2, settings=AdmissionSettings(policy="slots"))
+    first, second = admission.reserve(0.0), admission.reserve(0.0)
+    assert first is not None and second is not None
+    assert admission.reserve(0.0) is None and not admission.admits(0.0)  # two idle places fill the room
+    assert admission.headroom(0.0) == 0
+    assert admission.holds(first)
+    admission.opened(0.0, first)  # no admission check: the place is the session's
+    assert not admission.holds(first) and admission.active == 1 and admission.headroom(0.0) == 0
+    admission.closed(1.0, keep_share=True, held=first)  # the session keeps its place, no grace share on top
+    assert admission.holds(first) and admission.headroom(1.0) == 0
+    admission.release(second)
+    assert admission.headroom(1.0) == 1 and admission.held == 1
+    admission.release(first)
+    admission.release(first)  # idempotent
+    assert admission.headroom(1.0) == 2 and admission.held == 0
+
+
+def test_a_held_place_is_priced_young_until_its_first_stream_opens() -> None:
+    admission = AdmissionController(1, max_streams=100)
+    admission.observe_step(0.0, 0.1, 1000.0)  # 0.1 worker s per audio s: 8 steady streams fit 0.8
+    ticket = admission.reserve(0.0)
+    assert ticket is not None and admission.young == 1
+    admission.opened(0.0, ticket)
+    assert admission.young == 1  # the stream's own ticket, not the place's as well
+    admission.release(ticket)  # the session ends while its stream still runs: the stream still counts
+    assert admission.active == 1
+    admission.closed(0.5, keep_share=False, held=ticket)
+    assert admission.active == 0 and admission.held == 0
+
+
 @pytest.mark.parametrize(
     "settings",
     [

@@ -21,7 +21,7 @@ from omnigate.engines.base import (
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.registry import load_engine
 from omnigate.engines.talker.context import ContextSegment
-from omnigate.engines.talker.engine import TalkerEngine
+from omnigate.engines.talker.engine import STAGES, TalkerEngine
 from omnigate.engines.talker.frames import CLOSING
 from omnigate.engines.talker.model import build_preset
 from omnigate.engines.talker.options import TalkerOptions
@@ -339,6 +339,28 @@ def test_new_units_beyond_the_prefill_budget_start_next_step() -> None:
         budgeted.close(stream)
 
 
+def test_a_unit_waiting_for_prefill_room_is_tokenized_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    budgeted = make_engine(prefill_tokens_per_step=20)
+    encoded: list[str] = []
+    encode = budgeted.model.segments.encode
+
+    def counted(voice: str, text: str) -> list[int]:
+        encoded.append(text)
+        return encode(voice, text)
+
+    monkeypatch.setattr(budgeted.model.segments, "encode", counted)
+    texts = [f"Unit number {k} of some length." for k in range(4)]
+    streams = [open_stream(budgeted, [text], seed=50 + k, max_audio_ms=400) for k, text in enumerate(texts)]
+    started: set[int] = set()
+    while len(started) < len(streams):  # one unit a step: the others wait for the budget, step after step
+        for k, out in enumerate(budgeted.step(streams, [UNLIMITED] * len(streams))):
+            if any(isinstance(item, SegmentStarted) for item in out):
+                started.add(k)
+    assert sorted(encoded) == sorted(texts)
+    for stream in streams:
+        budgeted.close(stream)
+
+
 def test_top_p_and_repetition_penalty_change_the_draws_deterministically() -> None:
     plain = audio_of(drain(engine_a := make_engine(), open_stream(engine_a, ["Options."], seed=40, max_audio_ms=640)))
     for options in ({"top_p": 0.5}, {"repetition_penalty": 1.5, "repetition_window": 4}):
@@ -396,3 +418,12 @@ def test_prefill_from_ids_equals_the_prefill_of_their_embeddings() -> None:
     from_embeddings = frames.prefill([1], [embedded])
     torch.testing.assert_close(from_ids, from_embeddings, rtol=0, atol=0)
     assert frames.cache.length(0) == frames.cache.length(1) == 5
+
+
+def test_the_steps_time_is_counted_by_stage() -> None:
+    timed = make_engine(overlap_steps=True)
+    assert set(timed.stage_seconds()) == set(STAGES) and not any(timed.stage_seconds().values())
+    drain(timed, open_stream(timed, ["Timed."], seed=1, max_audio_ms=800))
+    stages = timed.stage_seconds()
+    # every stage ran, and a stage's time is never negative (the device wait is not counted twice)
+    assert all(seconds > 0 for seconds in stages.values()), stages

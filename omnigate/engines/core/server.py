@@ -5,8 +5,9 @@ Each gateway process holds one connection. A stream call is a task that forwards
 frames; a CANCEL frame, or the connection closing (the gateway exited or crashed), cancels the task, which aborts
 the stream in the pool and frees its slot at once. CONTROL and STATS are answered in order on the connection.
 Writes wait for the socket to drain, so a gateway that stops reading stalls only its own calls, and what waits
-for it is bounded by the credit its streams were granted. When the core's engine is a duplex engine, a connection
-also serves duplex sessions (``DUPLEX_*`` frames, :class:`DuplexLink`, whose writes never wait).
+for it is bounded by the credit its streams were granted. The frames queued in one turn of the event loop (one
+engine step's outputs for every stream of the connection) leave in one write. When the core's engine is a duplex
+engine, a connection also serves duplex sessions (``DUPLEX_*`` frames, :class:`DuplexLink`, whose writes never wait).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class CoreConnection:
         self._decoder = FrameDecoder()
         # one task per live stream call, by call id; bounded by the core's slots (others are refused at once)
         self._streams: dict[int, asyncio.Task[None]] = {}
+        # frames queued this loop turn, written together at its end; bounded by what the calls may send in a turn
+        self._outgoing: list[bytes] = []
+        self._flush_scheduled = False
 
     async def serve(self) -> None:
         try:
@@ -128,8 +132,17 @@ class CoreConnection:
             self._streams.pop(call, None)
 
     async def _send(self, kind: FrameKind, call: int, body: bytes = b"") -> None:
-        self._writer.write(encode_frame(kind, call, body))
+        self._outgoing.append(encode_frame(kind, call, body))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
         await self._writer.drain()
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        frames, self._outgoing = self._outgoing, []
+        if frames and not self._writer.is_closing():
+            self._writer.write(b"".join(frames))
 
 
 async def serve_core(

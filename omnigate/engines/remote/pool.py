@@ -7,6 +7,10 @@ go through the replica's control channel, one call in flight per replica, coales
 meanwhile. Credit is granted in media time as the session's outbox drains and sent as a cumulative limit, so a
 replica never produces beyond what the client has room for.
 
+Sessions: a gateway serving a session for its whole life (the speech stream route) first asks a replica to hold a
+place for it (:meth:`RemoteEnginePool.reserve_session`): the replica's answer admits or refuses the session, so
+admission is exact however many gateway processes share a replica, and the session's streams open on its place.
+
 Failures: a replica that refuses (full, draining) before admitting a stream sends it to another replica, else to
 the client as a typed refusal with a retry hint; a replica that dies ends its live streams with a typed
 ``engine_unavailable`` error and loses its pinned sessions, which move on their next utterance. Other sessions
@@ -39,7 +43,9 @@ from omnigate.engines.remote.protocol import (
     Opened,
     OpenStream,
     Outputs,
+    Refused,
     ReplicaStats,
+    ReserveSession,
     StreamOps,
     decode_report,
     decode_stats,
@@ -72,12 +78,26 @@ class RemoteStream:
     closed: bool = False
     aborted: bool = False
     replica: str | None = None
+    held: SessionPlace | None = None  # the session's place the stream opens on, if it holds one
     tried: set[str] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     # what the open call carried, so that after the admission only the rest is sent
     sent_texts: int = 0
     sent_input_done: bool = False
     sent_limit_ms: float = 0.0
+
+
+@dataclass(eq=False)
+class SessionPlace:
+    """A place a replica holds for one session, for as long as ``task`` (its call) runs."""
+
+    id: str
+    replica: str
+    task: asyncio.Task[None]
+
+    @property
+    def held(self) -> bool:
+        return not self.task.done()
 
 
 @dataclass(eq=False)
@@ -174,6 +194,7 @@ class RemoteEnginePool:
         self._streams: dict[str, RemoteStream] = {}
         self._info: EngineInfo | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._places: set[asyncio.Task[None]] = set()  # the calls holding sessions' places
         self._closing = False
         self.aborted_total = 0
         self.failed_total = 0
@@ -202,7 +223,10 @@ class RemoteEnginePool:
         tasks = [rs.task for rs in self._streams.values() if rs.task is not None]
         for rs in list(self._streams.values()):
             self.abort(rs)
-        await asyncio.gather(*tasks, return_exceptions=True)
+        places = list(self._places)
+        for place in places:
+            place.cancel()
+        await asyncio.gather(*tasks, *places, return_exceptions=True)
         for link in self._links.values():
             await link.control.close()
 
@@ -234,18 +258,90 @@ class RemoteEnginePool:
         """Open a stream on the replica with the most free slots, pinned to no session."""
         return self.open_for(None, params, sink, initial_credit_ms)
 
-    def open_for(
-        self, session: Hashable | None, params: SynthesisParams, sink: OutputSink, initial_credit_ms: float
-    ) -> RemoteStream:
-        """Open a stream for ``session`` on its replica. Raises ``PoolFull``, ``PoolClosed`` or ``EngineError``."""
+    async def reserve_session(self) -> PinnedView:
+        """A view for one session whose place a replica holds (until :meth:`PinnedView.unpin`): the replica
+        decided, so no report seen here can over-admit. Raises ``PoolFull`` (with the replicas' retry hint) when
+        every replica refused, ``PoolClosed``, or ``EngineError`` when none is reachable."""
         if self._closing:
             raise PoolClosed()
-        name = self.router.route(session)
+        names = self.router.reserving_order()
+        if not names:
+            raise EngineError("engine_unavailable", "no engine replica is reachable; retry shortly")
+        loop = asyncio.get_running_loop()
+        retry_after_s = self._retry_after_s
+        refused = False
+        for name in names:
+            link = self._links.get(name)
+            if link is None:
+                continue
+            place_id = uuid.uuid4().hex
+            answer: asyncio.Future[Opened | Refused | None] = loop.create_future()
+            task = loop.create_task(self._hold(link, place_id, answer), name="engine-session-place")
+            self._places.add(task)
+            task.add_done_callback(self._places.discard)
+            try:
+                message = await answer
+            except BaseException:
+                task.cancel()  # the session went away while asking: the replica frees the place
+                raise
+            if isinstance(message, Opened):
+                view = PinnedView(self, SessionPlace(place_id, name, task))
+                self.router.pin(view, name)
+                self.router.note_free(name, message.free_slots)
+                return view
+            task.cancel()
+            if isinstance(message, Refused):
+                refused = True
+                busy = message.code == "engine_busy"
+                self.router.refused(name, None, free_slots=message.free_slots, draining=not busy)
+                retry_after_s = message.retry_after_s
+        if not refused:  # none answered: each was lost on the way (a restarted core, before the next poll)
+            raise EngineError("engine_unavailable", "no engine replica is reachable; retry shortly")
+        raise PoolFull(retry_after_s)
+
+    async def _hold(self, link: ReplicaLink, place_id: str, answer: asyncio.Future[Opened | Refused | None]) -> None:
+        """The call holding a session's place: its answer, then nothing until cancelled or ended by the replica."""
+        messages = link.transport.open_stream(encode(ReserveSession(place_id, self.gateway_id)))
+        try:
+            async for data in messages:
+                message = decode_stream_message(data)
+                if not answer.done() and not isinstance(message, Outputs):
+                    answer.set_result(message)
+        except ReplicaUnavailable as exc:
+            log.warning("engine replica %s lost: %s", link.name, exc)
+            self.router.lost(link.name)
+        except Exception:
+            log.exception("engine replica %s failed a session's place", link.name)
+        finally:
+            if not answer.done():
+                answer.set_result(None)
+            await messages.aclose()
+
+    def open_for(
+        self,
+        session: Hashable | None,
+        params: SynthesisParams,
+        sink: OutputSink,
+        initial_credit_ms: float,
+        place: SessionPlace | None = None,
+    ) -> RemoteStream:
+        """Open a stream for ``session`` on its replica: on the session's ``place`` while the replica holds it,
+        whatever the replica last reported. Raises ``PoolFull``, ``PoolClosed`` or ``EngineError``."""
+        if self._closing:
+            raise PoolClosed()
+        state = self.router.state(place.replica) if place is not None and place.held else None
+        if place is not None and state is not None and state.up:
+            name: str | None = place.replica
+        else:
+            place = None
+            name = self.router.route(session)
         if name is None:
             if self.router.replicas_up == 0:
                 raise EngineError("engine_unavailable", "no engine replica is reachable; retry shortly")
             raise PoolFull(self._retry_after_s)
-        rs = RemoteStream(uuid.uuid4().hex, params, sink, session, credit_limit_ms=initial_credit_ms, replica=name)
+        rs = RemoteStream(
+            uuid.uuid4().hex, params, sink, session, credit_limit_ms=initial_credit_ms, replica=name, held=place
+        )
         self._streams[rs.id] = rs
         # Started on the next loop turn, so text the caller pushes right after opening travels with the open call.
         rs.task = asyncio.get_running_loop().create_task(self._run(rs, name), name="engine-stream")
@@ -369,7 +465,10 @@ class RemoteEnginePool:
         if link is None:
             return UNREACHABLE
         rs.replica = name
-        request = OpenStream(rs.id, self.gateway_id, rs.params, rs.credit_limit_ms, list(rs.texts), rs.input_done)
+        held = rs.held.id if rs.held is not None and rs.held.replica == name else ""
+        request = OpenStream(
+            rs.id, self.gateway_id, rs.params, rs.credit_limit_ms, list(rs.texts), rs.input_done, held=held
+        )
         rs.sent_texts, rs.sent_input_done, rs.sent_limit_ms = len(rs.texts), rs.input_done, rs.credit_limit_ms
         messages = link.transport.open_stream(encode(request))
         try:
@@ -476,17 +575,19 @@ class RemoteEnginePool:
 
 
 class PinnedView:
-    """The pool as one session sees it: all its streams go to the replica the router pinned it to."""
+    """The pool as one session sees it: all its streams go to the replica the router pinned it to, on the place
+    that replica holds for the session if it holds one (:meth:`RemoteEnginePool.reserve_session`)."""
 
-    def __init__(self, pool: RemoteEnginePool) -> None:
+    def __init__(self, pool: RemoteEnginePool, place: SessionPlace | None = None) -> None:
         self._pool = pool
+        self._place = place
 
     @property
     def info(self) -> EngineInfo:
         return self._pool.info
 
     def open(self, params: SynthesisParams, sink: OutputSink, *, initial_credit_ms: float) -> RemoteStream:
-        return self._pool.open_for(self, params, sink, initial_credit_ms)
+        return self._pool.open_for(self, params, sink, initial_credit_ms, self._place)
 
     def push_text(self, ps: RemoteStream, text: str) -> None:
         self._pool.push_text(ps, text)
@@ -501,7 +602,10 @@ class PinnedView:
         self._pool.abort(ps)
 
     def unpin(self) -> None:
+        """The session ended: its replica frees its place."""
         self._pool.router.unpin(self)
+        if self._place is not None:
+            self._place.task.cancel()
 
     @property
     def replica(self) -> str | None:

@@ -1,5 +1,10 @@
 """Messages between a gateway and an engine replica, encoded with msgpack.
 
+A session may first hold a place on a replica: a :class:`ReserveSession` streaming call, answered with
+:class:`Opened` or :class:`Refused` and then nothing until the gateway cancels it (the session ended) or the
+replica ends it; while it lasts, the session's streams name it (``OpenStream.held``) and open on its place. So the
+replica decides which sessions it admits, exactly, however many gateway processes ask at once.
+
 One stream per utterance is a streaming call: the gateway sends :class:`OpenStream`, the replica answers with
 :class:`Opened` or :class:`Refused` and then :class:`Outputs` until a ``StreamDone`` among them ends the call.
 Everything else the gateway tells a replica travels in :class:`ControlBatch` unary calls, one in flight per
@@ -29,6 +34,17 @@ class OpenStream(msgspec.Struct, frozen=True, tag="open"):
     credit_limit_ms: float
     texts: list[str] = []
     input_done: bool = False
+    held: str = ""  # the session's place (a ReserveSession's id) to open on, if it holds one
+
+
+class ReserveSession(msgspec.Struct, frozen=True, tag="reserve"):
+    """Hold a place for a session until this call is cancelled; answered with ``Opened`` or ``Refused``."""
+
+    reservation_id: str
+    gateway: str
+
+
+StreamRequest = OpenStream | ReserveSession
 
 
 class Opened(msgspec.Struct, frozen=True, tag="opened"):
@@ -102,6 +118,13 @@ class ReplicaStats(msgspec.Struct, frozen=True):
     failed_steps_total: int
     worker_restarts_total: int
     step_timeouts_total: int
+    # the step-time and batch-size histograms' bucket counts (bounds: omnigate.engines.step_stats), the fraction of
+    # the last seconds the workers spent stepping, and the engine's seconds by stage (Engine.stage_seconds)
+    step_counts: list[int] = []
+    batch_counts: list[int] = []
+    batch_total: int = 0
+    busy_fraction: float = 0.0
+    stage_seconds: dict[str, float] = {}
 
 
 class DrainResult(msgspec.Struct, frozen=True):
@@ -116,7 +139,7 @@ _stream_decoder: msgspec.msgpack.Decoder[StreamMessage] = msgspec.msgpack.Decode
 _report_decoder = msgspec.msgpack.Decoder(ReplicaReport)
 _stats_decoder = msgspec.msgpack.Decoder(ReplicaStats)
 _drain_decoder = msgspec.msgpack.Decoder(DrainResult)
-_open_decoder = msgspec.msgpack.Decoder(OpenStream)
+_open_decoder: msgspec.msgpack.Decoder[StreamRequest] = msgspec.msgpack.Decoder(StreamRequest)
 _control_decoder = msgspec.msgpack.Decoder(ControlBatch)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -141,7 +164,7 @@ def decode_drain(data: bytes) -> DrainResult:
     return _drain_decoder.decode(data)
 
 
-def decode_open(data: bytes) -> OpenStream:
+def decode_open(data: bytes) -> StreamRequest:
     return _open_decoder.decode(data)
 
 

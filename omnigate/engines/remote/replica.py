@@ -26,10 +26,12 @@ from omnigate.engines.remote.protocol import (
     Refused,
     ReplicaReport,
     ReplicaStats,
+    ReserveSession,
     decode_control,
     decode_open,
     encode,
 )
+from omnigate.engines.step_stats import BusyWindow, StepCounts
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,15 @@ class _Served:
     granted_ms: float
     pending: list[EngineOutput] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class _Held:
+    """A session's place in the pool (:meth:`EnginePool.reserve`), held until its call ends."""
+
+    ticket: int
+    gateway: str
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ReplicaCore:
@@ -74,8 +85,11 @@ class ReplicaCore:
         self.gateway_lease_s = gateway_lease_s
         self._heard: dict[str, float] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self.step_counts = StepCounts()
+        self._busy = BusyWindow(workers=engine.info.workers)
         self.pool = EnginePool(
             engine,
+            step_observer=self.step_counts.observe,
             ttfa_target_s=ttfa_target_s,
             retry_after_s=retry_after_s,
             step_timeout_s=step_timeout_s,
@@ -85,14 +99,20 @@ class ReplicaCore:
         self.pool.start()
         self.draining = False
         self._streams: dict[str, _Served] = {}
+        self._held: dict[str, _Held] = {}
         self._emptied: asyncio.Event | None = None
 
     # ---- calls ------------------------------------------------------------------------------------------------
 
     async def stream(self, data: bytes) -> AsyncGenerator[bytes, None]:
-        """One utterance: ``Opened`` or ``Refused``, then ``Outputs`` until a ``StreamDone``."""
+        """One utterance: ``Opened`` or ``Refused``, then ``Outputs`` until a ``StreamDone``; or a session's place
+        (:class:`ReserveSession`): ``Opened`` or ``Refused``, then nothing until the call ends."""
         request = decode_open(data)
         self._renew(request.gateway)
+        if isinstance(request, ReserveSession):
+            async for message in self._hold(request):
+                yield message
+            return
         if self.draining:
             yield self._refusal("draining", "the engine replica is draining")
             return
@@ -104,7 +124,13 @@ class ReplicaCore:
             served.wake.set()
 
         try:
-            ps = self.pool.open(request.params, sink, initial_credit_ms=request.credit_limit_ms)
+            held = self._held.get(request.held) if request.held else None
+            ps = self.pool.open(
+                request.params,
+                sink,
+                initial_credit_ms=request.credit_limit_ms,
+                held=held.ticket if held is not None else None,
+            )
         except PoolFull:
             yield self._refusal("engine_busy", "every slot of the engine replica is taken")
             return
@@ -132,6 +158,26 @@ class ReplicaCore:
             self.pool.abort(served.ps)
             if not self._streams and self._emptied is not None:
                 self._emptied.set()
+
+    async def _hold(self, request: ReserveSession) -> AsyncGenerator[bytes, None]:
+        if self.draining:
+            yield self._refusal("draining", "the engine replica is draining")
+            return
+        try:
+            ticket = self.pool.reserve()
+        except PoolFull:
+            yield self._refusal("engine_busy", "the engine replica has no room for another session")
+            return
+        except PoolClosed:
+            yield self._refusal("shutting_down", "the engine replica is shutting down")
+            return
+        held = self._held[request.reservation_id] = _Held(ticket, request.gateway)
+        try:
+            yield encode(Opened(self.replica, self.pool.free_slots))
+            await held.ended.wait()  # the gateway cancels the call when the session ends
+        finally:
+            self._held.pop(request.reservation_id, None)
+            self.pool.release(ticket)
 
     async def control(self, data: bytes) -> bytes:
         """Apply a batch of stream operations; answers with a :class:`ReplicaReport`."""
@@ -163,6 +209,11 @@ class ReplicaCore:
                 failed_steps_total=pool.failed_steps_total,
                 worker_restarts_total=pool.worker_restarts_total,
                 step_timeouts_total=pool.step_timeouts_total,
+                step_counts=list(self.step_counts.step_counts),
+                batch_counts=list(self.step_counts.batch_counts),
+                batch_total=self.step_counts.batch_total,
+                busy_fraction=self._busy.sample(time.monotonic(), pool.step_seconds_total),
+                stage_seconds=pool.engine.stage_seconds(),
             )
         )
 
@@ -182,6 +233,8 @@ class ReplicaCore:
         for served in list(self._streams.values()):
             self._cut(served, DRAIN_CUT)
             cut += 1
+        for held in self._held.values():
+            held.ended.set()
         log.info("drained: %d streams finished, %d cut at the deadline", live - cut, cut)
         return encode(DrainResult(self.replica, finished=live - cut, cut=cut))
 
@@ -222,6 +275,9 @@ class ReplicaCore:
                 if served.gateway in expired:
                     log.warning("ending a stream of a gateway silent for %.0f s", self.gateway_lease_s)
                     self._cut(served, LEASE_LOST)
+            for held in self._held.values():
+                if held.gateway in expired:
+                    held.ended.set()
             for gateway in expired:
                 del self._heard[gateway]
 

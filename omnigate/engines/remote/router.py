@@ -113,6 +113,17 @@ class SessionRouter:
             self._pin(session, best.name)
         return best.name
 
+    def reserving_order(self) -> list[str]:
+        """Replicas to ask for a session's place, most free first: every one up and not draining, since only the
+        replica's own answer admits (the free counts here are as of its last report)."""
+        candidates = [s for s in self._replicas.values() if s.up and not s.draining]
+        candidates.sort(key=lambda s: (-s.free_estimate, self._pinned_count[s.name], s.name))
+        return [s.name for s in candidates]
+
+    def pin(self, session: Hashable, name: str) -> None:
+        """Pin ``session`` to ``name`` (the replica holding its place)."""
+        self._pin(session, name)
+
     def unpin(self, session: Hashable) -> None:
         """The session ended (or must move). Idempotent."""
         name = self._pins.pop(session, None)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ from omnigate.engines.base import (
 )
 from omnigate.engines.codec.mimi_stream import MimiStreamDecoder, cast_for_decoding
 from omnigate.engines.talker.context import ContextSegment, validate_context
-from omnigate.engines.talker.frame_step import FrameStep, StepRows
+from omnigate.engines.talker.frame_step import FrameStep, StepResult, StepRows
 from omnigate.engines.talker.frames import CLOSING, FrameModel
 from omnigate.engines.talker.model import TalkerModel, clear_codebook_cache, load_talker_model
 from omnigate.engines.talker.options import TORCH_DTYPES, TalkerOptions
@@ -63,6 +64,10 @@ from omnigate.engines.talker.stream import Segment, TalkerStream
 FAMILY = "talker"
 _SEED_MASK = (1 << 62) - 1
 PRESET_MS_PER_CHAR = 60.0
+STAGES = ("device_wait", "file", "plan", "launch", "emit")
+"""Where a step's time goes: waiting for the device step; filing its frames (ends, frame counts); planning the next
+(text tokenization included); launching it (prefill and device step, plus the wait without overlap); turning
+frames into PCM chunks and events."""
 
 
 class TalkerEngine(Engine):
@@ -118,6 +123,9 @@ class TalkerEngine(Engine):
             options.overlap_steps if options.overlap_steps is not None else self.frames.device.type == "cuda"
         )
         self._in_flight: _InFlight | None = None
+        # seconds of the steps by stage (see stage_seconds); written by the stepping thread only
+        self._stages = dict.fromkeys(STAGES, 0.0)
+        self._waited_s = 0.0
         self._free_slots = list(range(options.max_sessions - 1, -1, -1))
         self._opened = itertools.count()
         voices = tuple(VoiceInfo(id=str(i), name=f"Speaker {i}") for i in range(options.speakers))
@@ -237,15 +245,25 @@ class TalkerEngine(Engine):
 
     # ---- the step -----------------------------------------------------------------------------------------------
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds the steps spent in each of :data:`STAGES` since load."""
+        return dict(self._stages)
+
     def step(self, streams: Sequence[EngineStream], budget_ms: Sequence[float]) -> list[list[EngineOutput]]:
+        stages = self._stages
+        t0 = time.perf_counter()
         batch = [_talker_stream(s) for s in streams]
         with torch.no_grad():
             flight, self._in_flight = self._in_flight, None
             deferred = [] if flight is None else self._collect(flight, batch)
+            t1 = time.perf_counter()
+            waited_collect = self._waited_s
             endings: dict[int, StopReason] = {}
             advancing, starting = self._plan(batch, budget_ms, endings)
+            t2 = time.perf_counter()
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
+            t3 = time.perf_counter()
             for stream, index, pcm in deferred:
                 if not (stream.finished or stream.closed):
                     stream.pending[index] = _le_bytes(pcm)
@@ -256,6 +274,13 @@ class TalkerEngine(Engine):
         for stream in batch:
             outputs.append(stream.outbox)
             stream.outbox = []
+        t4 = time.perf_counter()
+        stages["file"] += t1 - t0 - waited_collect
+        stages["plan"] += t2 - t1
+        stages["launch"] += t3 - t2 - (self._waited_s - waited_collect)
+        stages["emit"] += t4 - t3
+        stages["device_wait"] += self._waited_s
+        self._waited_s = 0.0
         return outputs
 
     def _collect(
@@ -264,7 +289,7 @@ class TalkerEngine(Engine):
         """Wait for the device step the previous call launched and file what the next plan depends on. Returns the
         frames whose PCM is still to be copied into their stream's held frames (after the next launch, from the
         other host buffer than the one the next step writes)."""
-        result = self.device_step.collect(flight.buffer)
+        result = self._wait_for(flight.buffer)
         rows = {id(stream): row for row, stream in enumerate(batch)}
         ended = result.ended.tolist()
         rms = result.rms.tolist()
@@ -288,6 +313,13 @@ class TalkerEngine(Engine):
                 stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
             self._file_ending(stream, ending)
         return deferred
+
+    def _wait_for(self, buffer: int) -> StepResult:
+        """The device step's result, the time waited for it counted as the step's device wait."""
+        started = time.perf_counter()
+        result = self.device_step.collect(buffer)
+        self._waited_s += time.perf_counter() - started
+        return result
 
     def _file_ending(self, stream: TalkerStream, ending: StopReason | None) -> None:
         """Send what a stream holds and end its segment, for a frame that ended it (``None``: nothing ends)."""
@@ -334,11 +366,14 @@ class TalkerEngine(Engine):
             self._finish(stream, "max_duration")
             return None
         text = stream.pending_text[0]
-        tokens = self.model.segments.encode(stream.params.voice, text)
+        if stream.head_tokens is None or stream.head_tokens[0] is not text:
+            stream.head_tokens = (text, self.model.segments.encode(stream.params.voice, text))
+        tokens = stream.head_tokens[1]
         if room is not None and len(tokens) + 1 > room:
-            return None  # this step's prefill is full; the unit starts next step
+            return None  # this step's prefill is full; the unit starts next step, its tokens kept
         slot = self._acquire(stream)
         stream.pending_text.pop(0)
+        stream.head_tokens = None
         context = None
         if stream.has_context:
             tokens = [CLOSING, *tokens]
@@ -406,7 +441,7 @@ class TalkerEngine(Engine):
                 stream.in_flight = True
             self._in_flight = _InFlight(buffer, streams)
             return
-        result = self.device_step.collect(buffer)
+        result = self._wait_for(buffer)
         ended = result.ended.tolist()
         rms = result.rms.tolist()
         for k, row in enumerate(rows):

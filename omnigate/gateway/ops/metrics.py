@@ -15,6 +15,10 @@ from prometheus_client.registry import Collector
 
 from omnigate.engines.duplex.stats import STEP_BUCKETS_S, ClockStats
 from omnigate.engines.omni.stats import RATE_WINDOW_S, ThinkerStats
+from omnigate.engines.remote.pool import RemoteEnginePool
+from omnigate.engines.remote.protocol import ReplicaStats
+from omnigate.engines.step_stats import BATCH_BUCKETS
+from omnigate.engines.step_stats import STEP_BUCKETS_S as ENGINE_STEP_BUCKETS_S
 from omnigate.gateway.state import Gateway
 from omnigate.sessions.realtime.responder import TurnTimings
 
@@ -127,6 +131,63 @@ class _GatewayCollector(Collector):
         failed = CounterMetricFamily("omnigate_engine_failed", "Engine streams failed", labels=["engine"])
         failed.add_metric([family], pool.failed_total)
         yield failed
+        if isinstance(pool, RemoteEnginePool):
+            yield from _remote_engine_metrics(list(pool.replica_stats().values()))
+
+
+def _histogram(
+    name: str, documentation: str, bounds: tuple[float, ...], counts: list[int], total: float
+) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    family = HistogramMetricFamily(name, documentation)
+    family.add_metric([], buckets, sum_value=total)
+    return family
+
+
+def _remote_engine_metrics(
+    stats: list[ReplicaStats],
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    """The steps of engines in other processes (the engine core, Ray replicas), summed over them as of their last
+    stats: the same histograms an in-process pool feeds, the busy fraction and the engine's time by stage."""
+    stats = [s for s in stats if len(s.step_counts) == len(ENGINE_STEP_BUCKETS_S) + 1]
+    if not stats:
+        return
+    steps = [sum(column) for column in zip(*(s.step_counts for s in stats), strict=True)]
+    yield _histogram(
+        "omnigate_engine_step_duration_seconds",
+        "Duration of one engine step",
+        ENGINE_STEP_BUCKETS_S,
+        steps,
+        sum(s.step_seconds_total for s in stats),
+    )
+    batches = [sum(column) for column in zip(*(s.batch_counts for s in stats), strict=True)]
+    yield _histogram(
+        "omnigate_engine_batch_size",
+        "Streams advanced by one engine step",
+        tuple(float(b) for b in BATCH_BUCKETS),
+        batches,
+        sum(s.batch_total for s in stats),
+    )
+    yield GaugeMetricFamily(
+        "omnigate_engine_busy_fraction",
+        "Fraction of the last seconds the engine's workers spent stepping (mean over its replicas)",
+        value=sum(s.busy_fraction for s in stats) / len(stats),
+    )
+    stages = CounterMetricFamily(
+        "omnigate_engine_stage_seconds",
+        "Time the engine's steps spent by stage (device wait, host stages)",
+        labels=["stage"],
+    )
+    totals: dict[str, float] = {}
+    for s in stats:
+        for stage, seconds in s.stage_seconds.items():
+            totals[stage] = totals.get(stage, 0.0) + seconds
+    for stage, seconds in totals.items():
+        stages.add_metric([stage], seconds)
+    yield stages
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
@@ -228,6 +289,9 @@ class Metrics:
     """One registry per gateway (so several apps can live in one process, as tests do)."""
 
     def __init__(self, gateway: Gateway) -> None:
+        # With the engine in other processes, the collector reports their step histograms under these names.
+        settings = gateway.settings
+        remote_engine = settings.core_socket is not None or settings.engine_pool == "ray"
         self.registry = CollectorRegistry()
         self.registry.register(_GatewayCollector(gateway))
         ProcessCollector(registry=self.registry)  # resident memory, open fds, CPU of the server process
@@ -258,17 +322,18 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        engine_registry = None if remote_engine else self.registry
         self.engine_step = Histogram(
             "omnigate_engine_step_duration_seconds",
             "Duration of one engine step",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-            registry=self.registry,
+            buckets=ENGINE_STEP_BUCKETS_S,
+            registry=engine_registry,
         )
         self.engine_batch = Histogram(
             "omnigate_engine_batch_size",
             "Streams advanced by one engine step",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=self.registry,
+            buckets=BATCH_BUCKETS,
+            registry=engine_registry,
         )
         self.loop_lag = Histogram(
             "omnigate_event_loop_lag_seconds",

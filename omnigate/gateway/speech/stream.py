@@ -15,6 +15,10 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnigate.codecs.encoder import complete_wav
+from omnigate.engines.base import EngineError
+from omnigate.engines.pool import PoolClosed, PoolFull
+from omnigate.engines.pool_api import EnginePoolAPI
+from omnigate.engines.remote.pool import PinnedView, RemoteEnginePool
 from omnigate.gateway.errors import json_error
 from omnigate.gateway.ops.metrics import Metrics
 from omnigate.gateway.security.client_session import minted_session, stored_session_event
@@ -63,15 +67,33 @@ async def speech_stream_endpoint(ws: WebSocket) -> None:
     if gateway.pool is None:
         await _refuse(ws, "not_ready", "the engine is not loaded yet", 1013, gateway.settings.retry_after_s)
         return
+    place: PinnedView | None = None
     try:
         with gateway.registry.admit(TRANSPORT) as lease:
-            if gateway.settings.admission == "headroom" and not gateway.pool.has_free_slot():
+            if isinstance(gateway.pool, RemoteEnginePool):
+                # The engine runs in another process that other gateway processes share: it admits the session
+                # itself (a place it holds until the session ends), never this process's last view of it.
+                try:
+                    place = await gateway.pool.reserve_session()
+                except PoolFull as exc:
+                    message = "the engine has no room for another session; retry shortly"
+                    await _refuse(ws, "engine_busy", message, 1013, exc.retry_after_s)
+                    return
+                except PoolClosed:
+                    message = "the server is shutting down"
+                    await _refuse(ws, "shutting_down", message, 1012, gateway.settings.retry_after_s)
+                    return
+                except EngineError:
+                    # No engine reachable now (a restarted core, not seen yet): no admission was decided, and the
+                    # session's utterances meet the engine's own refusal, or its typed unavailability, at open.
+                    pass
+            elif gateway.settings.admission == "headroom" and not gateway.pool.has_free_slot():
                 # No headroom: a new session would make the admitted ones late (sessions already here keep theirs).
                 message = "the engine has no headroom for another session; retry shortly"
                 await _refuse(ws, "engine_busy", message, 1013, gateway.settings.retry_after_s)
                 return
             await ws.accept()
-            connection = SpeechStreamConnection(ws, gateway, metrics)
+            connection = SpeechStreamConnection(ws, gateway, metrics, place)
             lease.driver = connection.driver
             minted = stored_session_event(minted_session(ws.scope), "speech")
             if minted is not None:
@@ -80,6 +102,9 @@ async def speech_stream_endpoint(ws: WebSocket) -> None:
     except SessionLimitReached as exc:
         code = "shutting_down" if gateway.registry.draining else "server_busy"
         await _refuse(ws, code, str(exc), 1012 if gateway.registry.draining else 1013, exc.retry_after_s)
+    finally:
+        if place is not None:
+            place.unpin()  # the engine frees the session's place
 
 
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, retry_after_s: float) -> None:
@@ -91,12 +116,13 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, retry
 class SpeechStreamConnection:
     """One accepted connection: a reader, a writer and the session driver between them."""
 
-    def __init__(self, ws: WebSocket, gateway: Gateway, metrics: Metrics) -> None:
+    def __init__(self, ws: WebSocket, gateway: Gateway, metrics: Metrics, place: PinnedView | None = None) -> None:
+        """``place``: the session's view of a remote engine that holds a place for it, if it was admitted so."""
         assert gateway.pool is not None
         self.ws = ws
         self.gateway = gateway
         self.settings = gateway.settings
-        self.pool = gateway.pool
+        self.pool: EnginePoolAPI[Any] = place if place is not None else gateway.pool
         self.metrics = metrics
         self.driver = SessionDriver(
             self.pool,
