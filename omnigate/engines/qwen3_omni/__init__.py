@@ -1,1 +1,1 @@
-"""Qwen3-Omni served natively: thinker, talker and code predictor on slot caches, batched across sessions."""
+"""Qwen3-Omni served natively: thinker, talker and the streaming Code2Wav decoder."""
