@@ -2,14 +2,16 @@
 
 Greedy decoding makes the comparison exact: the thinker's tokens and the talker's codes (every codebook of every
 frame) must be the ones ``Qwen3OmniMoeForConditionalGeneration.generate`` produces for the same prompt, while the
-engine runs several turns batched in the same steps. The prompts are chosen so that no greedy choice along the way
-is a float32 near-tie (the top two logits within ~1e-4, where the summation order of a batched kernel decides).
-"""
+engine runs several turns batched in the same steps; the audio streamed frame by frame equals the waveform
+``generate`` decodes from all the codes at the end, within float32 rounding (relative 1e-4 of the peak). The prompts
+are chosen so that no greedy choice along the way is a float32 near-tie (the top two logits within ~1e-4, where the
+summation order of a batched kernel decides)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,7 +41,12 @@ def _prompt(model: Qwen3OmniModel, question: str) -> list[int]:
     return tok.turn("system", tok.encode("be brief")) + tok.turn("user", tok.encode(question)) + tok.open_assistant()
 
 
-def _run(runner: TurnRunner, requests: list[TurnRequest]) -> dict[int, tuple[list[int], list[list[int]], TurnDone]]:
+Result = tuple[list[int], list[list[int]], TurnDone]
+
+
+def _run(
+    runner: TurnRunner, requests: list[TurnRequest], audio: dict[int, list[np.ndarray]] | None = None
+) -> dict[int, Result]:
     ids = [runner.submit(r) for r in requests]
     text: dict[int, list[int]] = {i: [] for i in ids}
     frames: dict[int, list[list[int]]] = {i: [] for i in ids}
@@ -52,13 +59,15 @@ def _run(runner: TurnRunner, requests: list[TurnRequest]) -> dict[int, tuple[lis
                 text[event.turn].append(event.event.token)
             elif isinstance(event.event, AudioFrame):
                 frames[event.turn].append(event.event.codes)
+                if audio is not None:
+                    audio.setdefault(event.turn, []).append(event.event.audio)
             else:
                 done[event.turn] = event.event
     return {i: (text[i], frames[i], done[i]) for i in ids}
 
 
-def _reference(model: Qwen3OmniModel, prompt: list[int]) -> tuple[list[int], list[list[int]]]:
-    """transformers' greedy thinker tokens and talker codes for ``prompt`` (the codes as Code2Wav receives them)."""
+def _reference(model: Qwen3OmniModel, prompt: list[int]) -> tuple[list[int], list[list[int]], np.ndarray]:
+    """transformers' greedy thinker tokens, talker codes (as Code2Wav receives them) and waveform for ``prompt``."""
     whole: Any = model.whole
     seen: dict[str, torch.Tensor] = {}
     decode = whole.code2wav.chunked_decode
@@ -69,7 +78,7 @@ def _reference(model: Qwen3OmniModel, prompt: list[int]) -> tuple[list[int], lis
 
     whole.code2wav.chunked_decode = keep_codes
     try:
-        sequences, _ = whole.generate(
+        sequences, wav = whole.generate(
             torch.tensor([prompt]),
             speaker="ethan",
             thinker_max_new_tokens=MAX_TOKENS,
@@ -80,7 +89,7 @@ def _reference(model: Qwen3OmniModel, prompt: list[int]) -> tuple[list[int], lis
         )
     finally:
         del whole.code2wav.chunked_decode
-    return sequences[0, len(prompt) :].tolist(), seen["codes"][0].t().tolist()
+    return sequences[0, len(prompt) :].tolist(), seen["codes"][0].t().tolist(), wav.reshape(-1).numpy()
 
 
 @pytest.mark.parametrize("part", ["thinker", "talker"])
@@ -97,15 +106,22 @@ def test_grouped_experts_equal_the_reference_block(model: Qwen3OmniModel, part: 
 
 def test_batched_turns_equal_transformers_generate(model: Qwen3OmniModel) -> None:
     prompts = [_prompt(model, "what is two and two?"), _prompt(model, "x")]
-    results = _run(
-        TurnRunner(model), [TurnRequest(prompt=p, max_tokens=MAX_TOKENS, max_frames=MAX_FRAMES) for p in prompts]
-    )
+    audio: dict[int, list[np.ndarray]] = {}
+    requests = [TurnRequest(prompt=p, max_tokens=MAX_TOKENS, max_frames=MAX_FRAMES) for p in prompts]
+    results = _run(TurnRunner(model), requests, audio)
     assert len(results) == 2
-    for prompt, (text, frames, done) in zip(prompts, results.values(), strict=True):
-        expected_text, expected_codes = _reference(model, prompt)
+    delay = model.code2wav.delay_samples
+    for prompt, (turn, (text, frames, done)) in zip(prompts, results.items(), strict=True):
+        expected_text, expected_codes, expected_wav = _reference(model, prompt)
         assert text == expected_text
         assert frames == expected_codes
         assert done.error is None
+        streamed = np.concatenate(audio[turn])
+        assert len(streamed) == len(frames) * model.code2wav.samples_per_frame
+        assert not streamed[:delay].any()  # the stream is the full decode, delayed
+        peak = float(np.abs(expected_wav).max())
+        assert peak > 0
+        np.testing.assert_allclose(streamed[delay:], expected_wav, rtol=0, atol=1e-4 * peak)
     # the two answers really ran in the same steps: one reached the token limit, the other its own end
     assert {done.reason for _, _, done in results.values()} == {"length", "stop"}
 

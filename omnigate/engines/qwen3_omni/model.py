@@ -30,6 +30,7 @@ from omnigate.engines.duplex.graphs import CapturedCall, batch_buckets
 from omnigate.engines.kv.slots import SlotKVCache
 from omnigate.engines.omni.decode_step import POSITION, SLOT, TEMPERATURE, UNIFORM, DecodeSteps, pad_step_rows
 from omnigate.engines.omni.sampling import sample_rows
+from omnigate.engines.qwen3_omni.code2wav_stream import Code2WavStream
 from omnigate.engines.qwen3_omni.moe_stack import MoeDecoderStack
 from omnigate.engines.qwen3_omni.presets import PRESETS, preset_config
 from omnigate.engines.qwen3_omni.tokenizer import ChatTokenizer, HfChatTokenizer, PrintableChatTokenizer
@@ -82,7 +83,8 @@ def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
 class Qwen3OmniModel:
     """A loaded Qwen3-Omni with key/value caches of ``slots`` sessions: the thinker's of ``max_context`` tokens (a
     turn's prompt and answer), the talker's of ``max_context`` rows (its prompt and one row per audio frame), the
-    code predictor's of one frame. Every method runs on the engine's worker thread."""
+    code predictor's of one frame; the streaming Code2Wav's state of ``slots`` sessions. Every method runs on the
+    engine's worker thread."""
 
     def __init__(
         self,
@@ -161,6 +163,9 @@ class Qwen3OmniModel:
         )
         self.frame_buckets = batch_buckets(slots)
         self._frame_graphs: dict[int, CapturedCall] = {}
+        # Codec frames to 24 kHz audio, one row per session, exact against a full decode.
+        self.code2wav = Code2WavStream(whole.code2wav, slots, self.device, self.dtype)
+        self.sample_rate = 24_000
 
     def _cache(self, stack: MoeDecoderStack, capacity: int) -> SlotKVCache:
         return SlotKVCache(

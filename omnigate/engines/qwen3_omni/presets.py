@@ -71,10 +71,10 @@ def _tiny() -> Qwen3OmniMoeConfig:
             "audio_token_id": 105, "image_token_id": 106, "video_token_id": 107, "audio_start_token_id": 103,
             "vision_start_token_id": 108,
         },
-        code2wav_config={
+        code2wav_config={  # the released upsampling (1920 samples a frame: 24 kHz at 12.5 frames a second)
             "codebook_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 2, "intermediate_size": 64, "num_quantizers": 4, "decoder_dim": 32,
-            "upsample_rates": [2, 2], "upsampling_ratios": [2], "sliding_window": 8,
+            "sliding_window": 8,
         },
         **TINY_IDS,
     )  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from omnigate.engines.kv.slots import ContextFull
@@ -47,9 +48,10 @@ class TextToken:
     token: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AudioFrame:
     codes: list[int]  # one id per codebook
+    audio: np.ndarray  # float32 [samples_per_frame] at 24 kHz: the stream's next samples
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class _Turn:
     request: TurnRequest
     generator: torch.Generator
     slot: int = -1
+    row: int = -1  # the Code2Wav row of a turn that speaks
     text: list[int] = field(default_factory=list)
     thinking: bool = True
     thinker_logits: torch.Tensor | None = None
@@ -134,6 +137,9 @@ class TurnRunner:
         if turn.slot >= 0:
             self._free.append(turn.slot)
             turn.slot = -1
+        if turn.row >= 0:
+            self.model.code2wav.close(turn.row)
+            turn.row = -1
 
     def _finish(self, turn: _Turn, done: TurnDone, events: list[TurnEvent]) -> None:
         self._release(turn)
@@ -170,6 +176,7 @@ class TurnRunner:
         for i, turn in enumerate(batch):
             turn.thinker_logits = logits[i]
             if turn.request.speak:
+                turn.row = model.code2wav.open()
                 turn.user_rows = model.talker_user_rows(
                     turn.request.prompt, embeds[i], None if hidden is None else hidden[i]
                 )
@@ -276,12 +283,18 @@ class TurnRunner:
         logits = [t.talker_logits for t in speaking if t.talker_logits is not None]
         hidden = [t.talker_hidden for t in speaking if t.talker_hidden is not None]
         codes, following, normed = model.talker_frame(logits, hidden, rows, padded)
+        voiced = [i for i in range(len(speaking)) if codes[i][0] != model.codec_eos]
+        audio = np.zeros((0, 0), np.float32)
+        if voiced:
+            frame_codes = torch.tensor([codes[i] for i in voiced], dtype=torch.long)[:, :, None]
+            audio = model.code2wav.push([speaking[i].row for i in voiced], frame_codes).float().cpu().numpy()
+        at = {i: n for n, i in enumerate(voiced)}
         going: list[int] = []
         for i, turn in enumerate(speaking):
             if codes[i][0] == model.codec_eos:
                 self._finish(turn, TurnDone(turn.text_reason), events)
                 continue
-            events.append(TurnEvent(turn.id, AudioFrame(codes[i])))
+            events.append(TurnEvent(turn.id, AudioFrame(codes[i], audio[at[i]])))
             turn.frames += 1
             if targets[i] is None:
                 self._finish(
