@@ -482,6 +482,15 @@ def _dtype(name: str) -> torch.dtype:
         raise Qwen3OmniModelError(f"dtype {name!r}: choose float32, bfloat16 or float16") from None
 
 
+@torch.no_grad()
+def _init_experts(whole: Any, std: float) -> None:
+    """Draw every expert weight: transformers' initialisation skips the talker's experts (``torch.empty``), so a
+    preset would otherwise run on whatever the memory held (NaN now and then)."""
+    for name, param in whole.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            param.normal_(0.0, std)
+
+
 def build_preset(
     name: str,
     *,
@@ -505,6 +514,7 @@ def build_preset(
         torch.set_default_dtype(_dtype(dtype))
         try:
             whole: Any = Qwen3OmniMoeForConditionalGeneration(config)
+            _init_experts(whole, float(config.talker_config.initializer_range))
         finally:
             torch.set_default_dtype(previous)
     whole = whole.eval()
