@@ -147,6 +147,7 @@ class Qwen3OmniModel:
         suppressed[self.codec_eos] = False
         self._suppressed = suppressed
         self._seen = torch.zeros(slots + 1, codec_vocab, dtype=torch.bool, device=self.device)
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self.talker_top_k = TALKER_TOP_K
         self.repetition_penalty = TALKER_REPETITION_PENALTY
         with torch.inference_mode():
@@ -364,7 +365,7 @@ class Qwen3OmniModel:
         penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
         logits = torch.where(seen, penalised, logits).masked_fill(self._suppressed, float("-inf"))
         first = self._sample_codes(logits, temperature, floats[1])
-        self._seen[slots, first] = True
+        self._seen.index_put_((slots, first), self._true)  # a device scalar: a graph cannot copy from the host
         # The code predictor: [hidden, embed(first)] as a two-row prefill of each row's predictor slot, then one row
         # per further codebook.
         rows = hidden.shape[0]

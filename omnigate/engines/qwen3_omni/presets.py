@@ -101,6 +101,8 @@ def _qwen3_omni_30b_a3b() -> Qwen3OmniMoeConfig:
                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
                 "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "rope_parameters": rope,
             },
+            "audio_token_id": 151646, "image_token_id": 151655, "video_token_id": 151656,
+            "audio_start_token_id": 151647, "vision_start_token_id": 151652, "user_token_id": 872,
         },
         talker_config={
             "text_config": {
