@@ -162,3 +162,45 @@ def test_checkpoint_written_by_save_pretrained_loads_back(model: Qwen3OmniModel,
     expected = _run(TurnRunner(model), [TurnRequest(prompt=prompt, max_tokens=MAX_TOKENS, max_frames=8)])
     got = _run(TurnRunner(loaded), [TurnRequest(prompt=prompt, max_tokens=MAX_TOKENS, max_frames=8)])
     assert list(got.values()) == list(expected.values())
+
+
+def test_spoken_turn_equals_transformers_generate_with_the_same_audio(model: Qwen3OmniModel) -> None:
+    """A user turn of audio: the audio encoder's tokens in the thinker, the thinker's hidden states (projected) in
+    the talker at the audio positions. Here the talker says its end of speech before the thinker's text ends: the
+    turn still carries the whole answer's text, as ``generate`` writes it."""
+    features = torch.randn(128, 300, generator=torch.Generator().manual_seed(0)) * 0.5
+    audio = model.encode_audio(features)
+    config = model.config.thinker_config
+    tok = model.tokenizer
+    content = [int(config.audio_start_token_id), *[int(config.audio_token_id)] * audio.shape[0], *tok.encode(" hi")]
+    prompt = tok.turn("system", tok.encode("be brief")) + tok.turn("user", content) + tok.open_assistant()
+    [(text, frames, done)] = _run(
+        TurnRunner(model), [TurnRequest(prompt=prompt, audio=audio, max_tokens=MAX_TOKENS, max_frames=20)]
+    ).values()
+    whole: Any = model.whole
+    seen: dict[str, torch.Tensor] = {}
+    decode = whole.code2wav.chunked_decode
+
+    def keep_codes(codes: torch.Tensor, **kwargs: Any) -> Any:
+        seen["codes"] = codes.clone()
+        return decode(codes, **kwargs)
+
+    whole.code2wav.chunked_decode = keep_codes
+    try:
+        sequences, _ = whole.generate(
+            torch.tensor([prompt]),
+            input_features=features[None],
+            feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
+            speaker="ethan",
+            thinker_max_new_tokens=MAX_TOKENS,
+            thinker_eos_token_id=tok.im_end,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            talker_max_new_tokens=21,
+        )
+    finally:
+        del whole.code2wav.chunked_decode
+    assert text == sequences[0, len(prompt) :].tolist()
+    assert frames == seen["codes"][0].t().tolist()
+    assert len(frames) < len(text)  # the voice ended first; the text went on to its end
+    assert done.reason == "length"

@@ -81,6 +81,7 @@ class _Turn:
     talker_hidden: torch.Tensor | None = None
     frames: int = 0
     text_reason: str = "stop"
+    voice_done: bool = False  # the talker said its end of speech (or ran out of frames) before the text ended
     cancelled: bool = False
 
 
@@ -219,7 +220,7 @@ class TurnRunner:
                 continue
             turn.thinking = False
             turn.thinker_logits = None
-            if not turn.request.speak:
+            if not turn.request.speak or turn.voice_done:
                 self._finish(turn, TurnDone(turn.text_reason), events)
         model.thinker_cache.commit(going, [1] * len(going))
 
@@ -298,15 +299,24 @@ class TurnRunner:
         going: list[int] = []
         for i, turn in enumerate(speaking):
             if codes[i][0] == model.codec_eos:
-                self._finish(turn, TurnDone(turn.text_reason), events)
+                self._end_voice(turn, turn.text_reason, events)
                 continue
             events.append(TurnEvent(turn.id, AudioFrame(codes[i], audio[at[i]])))
             turn.frames += 1
             if targets[i] is None:
-                self._finish(
-                    turn, TurnDone("max_context" if turn.frames < turn.request.max_frames else "length"), events
-                )
+                self._end_voice(turn, "max_context" if turn.frames < turn.request.max_frames else "length", events)
                 continue
             going.append(turn.slot)
             turn.talker_logits, turn.talker_hidden = following[i], normed[i]
         model.talker_cache.commit(going, [1] * len(going))
+
+    def _end_voice(self, turn: _Turn, reason: str, events: list[TurnEvent]) -> None:
+        """The talker is done; the turn ends with it unless the thinker is still writing the transcript (the
+        answer's text is kept whole, as transformers' ``generate`` writes it before the talker starts)."""
+        turn.voice_done = True
+        turn.talker_logits = turn.talker_hidden = None
+        if turn.row >= 0:
+            self.model.code2wav.close(turn.row)
+            turn.row = -1
+        if not turn.thinking:
+            self._finish(turn, TurnDone(reason), events)
