@@ -123,9 +123,26 @@ def test_float64_streaming_is_exact_to_rounding() -> None:
     torch.testing.assert_close(undelayed(stream, got).double(), full_decode(model, codes)[0], atol=1e-7, rtol=0)
 
 
-def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward() -> None:
-    model = tiny_code2wav(window=4)
-    stream = Code2WavStream(model, 4, "cpu", torch.float32)
+@pytest.mark.parametrize(
+    ("device", "pad_rows"),
+    [
+        ("cpu", False),
+        ("cpu", True),
+        pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward(
+    device: str, pad_rows: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With pad_rows, pushes of 3 rows run as batches of 4 (the scratch row fills them). On CUDA the pushes replay
+    # captured graphs (one per bucket and frame count), fresh rows masked inside them, rows padded by default; the
+    # convolutions run in true float32 there (cuDNN's default TF32 would differ by ~1e-3 between any two splits).
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = tiny_code2wav(window=4).to(device)
+    stream = Code2WavStream(model, 5, device, torch.float32, pad_rows=pad_rows)
+    assert stream.graphs == (device == "cuda")
+    for frames in (1, 2, 3):
+        stream.prepare(frames)  # on CUDA, the pushes below replay these graphs
     rng = random.Random(5)
     codes = {name: random_codes(1, 20, seed=10 + i)[0] for i, name in enumerate("abcd")}
     joins = {"a": 0, "b": 2, "c": 3, "d": 7}  # the step at which each session starts
@@ -150,7 +167,7 @@ def test_rows_joining_and_leaving_one_batch_each_equal_their_full_forward() -> N
                 stream.close(rows[name])
         step += 1
     for name in codes:
-        expected = full_decode(model, codes[name][None])[0]
+        expected = full_decode(model, codes[name][None].to(device))[0]
         torch.testing.assert_close(undelayed(stream, torch.cat(heard[name])), expected, atol=ATOL_F32, rtol=0)
 
 
@@ -196,6 +213,7 @@ def test_limits_are_typed_errors() -> None:
         "negative code": lambda: stream.push([a], codes[:1] - CODEBOOK),
         "a closed row": lambda: (stream.close(b), stream.push([b], codes[:1])),
         "no rows": lambda: stream.push([], codes[:0]),
+        "graphs for too many frames": lambda: stream.prepare(5),
     }
     for why, call in refused.items():
         with pytest.raises(InvalidPush) as refusal:

@@ -21,17 +21,21 @@ returned ``[0] * delay_samples + forward(codes[:N])``, the whole of what a full 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.codec.mimi_stream import SlotKvLayers
+from omnigate.engines.duplex.graphs import CapturedCall, batch_buckets
 from omnigate.kernels.conv import conv_transpose1d
 
 DEFAULT_MAX_FRAMES = 300
+DEFAULT_MAX_GRAPHS = 16
 
 
 class UnsupportedCode2Wav(ValueError):
@@ -142,6 +146,18 @@ class _TransposedConv:
         return [self.tail]
 
 
+class _Snake:
+    """``Qwen3OmniMoeSnakeBeta`` (``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)``) with its per-channel factors computed
+    once: four kernels a call instead of ten, for the 29 activations a push runs."""
+
+    def __init__(self, layer: Any) -> None:
+        self.alpha = torch.exp(layer.alpha.detach())[:, None]
+        self.inv_beta = (1.0 / (torch.exp(layer.beta.detach()) + layer.no_div_by_zero))[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x, self.inv_beta, torch.sin(x * self.alpha).square())
+
+
 class _WindowTransformer(SlotKvLayers):
     """The pre-transformer over each row's last ``sliding_window - 1`` keys and values (all layers slide)."""
 
@@ -190,8 +206,15 @@ class _WindowTransformer(SlotKvLayers):
 class Code2WavStream:
     """Streams Qwen3-Omni codec frames to 24 kHz audio for up to ``max_rows`` sessions, equal to a full decode.
 
-    The model is moved to ``device`` and ``dtype`` and its modules run as they are; the decoder only adds per-row
-    state. ``max_frames`` bounds the frames of one push.
+    The model is moved to ``device`` and ``dtype`` and its modules run as they are (the Snake activations' factors
+    are read once, here: load weights before building the stream); the decoder only adds per-row state.
+    ``max_frames`` bounds the frames of one push.
+
+    With ``graphs`` (the default on CUDA), each (rows, frames) shape of push is captured once as a CUDA graph and
+    replayed: a push then costs its kernels' device time instead of launching several hundred small kernels from
+    Python. At most ``max_graphs`` shapes are kept (least recently used dropped); an extra scratch row absorbs the
+    capture's warm-up. With ``pad_rows`` (the default with graphs) a push's rows are padded with that scratch row
+    up to the next batch bucket (powers of two, and ``max_rows``), so however many sessions push, a few shapes serve.
     """
 
     def __init__(
@@ -202,21 +225,36 @@ class Code2WavStream:
         dtype: torch.dtype,
         *,
         max_frames: int = DEFAULT_MAX_FRAMES,
+        graphs: bool | None = None,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+        pad_rows: bool | None = None,
     ) -> None:
-        if max_rows < 1 or max_frames < 1:
-            raise ValueError("max_rows and max_frames must be positive")
+        if max_rows < 1 or max_frames < 1 or max_graphs < 1:
+            raise ValueError("max_rows, max_frames and max_graphs must be positive")
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_rows = max_rows
         self.max_frames = max_frames
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple[int, int], CapturedCall] = OrderedDict()
+        self._buckets = batch_buckets(max_rows) if (self.graphs if pad_rows is None else pad_rows) else ()
+        # One row past the sessions' rows: the scratch row that graph captures warm up on.
+        self._scratch = max_rows
+        slots = max_rows + 1
         model.to(device=self.device, dtype=dtype)
         config = model.config
         self.num_quantizers = int(config.num_quantizers)
         self.codebook_size = int(config.codebook_size)
         self._model = model
-        self._transformer = _WindowTransformer(model.pre_transformer, max_rows, self.device, dtype)
+        self._transformer = _WindowTransformer(model.pre_transformer, slots, self.device, dtype)
         self._convs: dict[nn.Module, _CausalConv] = {}
         self._transposed: dict[nn.Module, _TransposedConv] = {}
+        self._snakes = {
+            layer: _Snake(layer) for layer in model.decoder.modules() if isinstance(layer, Qwen3OmniMoeSnakeBeta)
+        }
         # Walk the layers as forward runs them, tracking each stage's pre-roll and samples per frame.
         preroll, rate = 0, 1
         for transposed, block in model.upsample:
@@ -239,10 +277,10 @@ class Code2WavStream:
         self._fresh = [True] * max_rows
 
     def _add_conv(self, layer: Any, preroll: int) -> None:
-        self._convs[layer] = _CausalConv(layer, preroll, self.max_rows, self.device, self.dtype)
+        self._convs[layer] = _CausalConv(layer, preroll, self.max_rows + 1, self.device, self.dtype)
 
     def _add_transposed(self, layer: Any, preroll: int, rate: int) -> tuple[int, int]:
-        state = _TransposedConv(layer, self.max_rows, self.device, self.dtype)
+        state = _TransposedConv(layer, self.max_rows + 1, self.device, self.dtype)
         self._transposed[layer] = state
         preroll, rate = preroll * state.stride + state.left_pad, rate * state.stride
         if preroll >= rate:
@@ -283,20 +321,44 @@ class Code2WavStream:
         """Keep ``row`` but forget its stream: the next push starts a new one (a new utterance)."""
         if row not in self._open:
             raise InvalidPush(f"row {row} is not open", "rows")
+        self._zero_row(row)
+        self._fresh[row] = True
+
+    def _zero_row(self, row: int) -> None:
         for state in self._states():
             state[row].zero_()
-        self._fresh[row] = True
 
     @torch.no_grad()
     def push(self, rows: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
         """Decode the next ``T`` frames of each row: ``codes`` is ``[len(rows), num_quantizers, T]``; returns
-        ``[len(rows), T * samples_per_frame]`` float32 audio in [-1, 1], continuing what earlier pushes returned."""
+        ``[len(rows), T * samples_per_frame]`` float32 audio in [-1, 1], continuing what earlier pushes returned.
+
+        The codes' range is checked where they lie: pass them on the host to keep the check from waiting on the
+        device."""
         self._check(rows, codes)
-        index = torch.tensor(list(rows), device=self.device)
         fresh = [self._fresh[row] for row in rows]
-        preroll = _Preroll(torch.tensor(fresh, device=self.device) if any(fresh) else None, self.dtype)
+        count = len(rows)
+        padded = next((size for size in self._buckets if size >= count), count)
+        if padded > count:
+            # The scratch row fills the bucket: its state takes the (repeated) writes and is never read.
+            rows = [*rows, *([self._scratch] * (padded - count))]
+            fresh += [True] * (padded - count)
+            filler = codes.new_zeros(padded - count, codes.shape[1], codes.shape[2])
+            codes = torch.cat((codes, filler))
+        if self.graphs:
+            wav = self._replay(rows, codes, fresh)
+        else:
+            index = torch.tensor(list(rows), device=self.device)
+            fresh_rows = torch.tensor(fresh, device=self.device) if any(fresh) else None
+            wav = self._decode(codes.to(self.device), index, fresh_rows)
+        for row in rows[:count]:
+            self._fresh[row] = False
+        return wav[:count]
+
+    def _decode(self, codes: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:
+        """The push itself, on device tensors only (no host reads: a CUDA graph captures it)."""
+        preroll = _Preroll(fresh, self.dtype)
         model = self._model
-        codes = codes.to(self.device)
         x = model.code_embedding(codes + model.code_offset).mean(1).to(self.dtype)
         x = self._transformer(x, index).transpose(1, 2)
         for transposed, block in model.upsample:
@@ -305,15 +367,47 @@ class Code2WavStream:
         x = self._convs[model.decoder[0]](x, index, preroll)
         for block in model.decoder[1:-2]:
             snake, transposed, *units = block.block
-            x = self._transposed[transposed](snake(x), index)
+            x = self._transposed[transposed](self._snakes[snake](x), index)
             for unit in units:
-                h = self._convs[unit.conv1](unit.act1(x), index, preroll)
-                x = x + self._convs[unit.conv2](unit.act2(h), index, preroll)
-        x = self._convs[model.decoder[-1]](model.decoder[-2](x), index, preroll)
-        wav = preroll.mask(x, self.delay_samples)[:, 0].clamp(min=-1, max=1).float()
-        for row in rows:
-            self._fresh[row] = False
-        return wav
+                h = self._convs[unit.conv1](self._snakes[unit.act1](x), index, preroll)
+                x = x + self._convs[unit.conv2](self._snakes[unit.act2](h), index, preroll)
+        x = self._convs[model.decoder[-1]](self._snakes[model.decoder[-2]](x), index, preroll)
+        return preroll.mask(x, self.delay_samples)[:, 0].clamp(min=-1, max=1).float()
+
+    @torch.no_grad()
+    def prepare(self, frames: int = 1) -> None:
+        """Capture now the graphs of pushes of ``frames`` frames for every row bucket, so that no session's push
+        waits for a capture (a few pushes' time each) when the number of speaking sessions first reaches a bucket.
+        Does nothing without graphs or without ``pad_rows``."""
+        if not 1 <= frames <= self.max_frames:
+            raise InvalidPush(f"a push carries 1 to {self.max_frames} frames, got {frames}", "frames")
+        if self.graphs:
+            for size in self._buckets:
+                self._graph(size, frames)
+
+    def _replay(self, rows: Sequence[int], codes: torch.Tensor, fresh: list[bool]) -> torch.Tensor:
+        graph = self._graph(len(rows), int(codes.shape[-1]))
+        # Copied into the graph's buffers from wherever they lie (the codes usually from the host).
+        inputs = (codes, torch.tensor(list(rows)), torch.tensor(fresh))
+        return graph.run(inputs)[0].clone()
+
+    def _graph(self, batch: int, frames: int) -> CapturedCall:
+        key = (batch, frames)
+        graph = self._graphs.get(key)
+        if graph is None:
+            while len(self._graphs) >= self.max_graphs:
+                self._graphs.popitem(last=False)
+            # Captured on the scratch row (the warm-up runs write its state, cleared after), with every fresh-row
+            # mask in the graph, applied or not by the ``fresh`` input.
+            harmless = (
+                torch.zeros(key[0], self.num_quantizers, key[1], dtype=torch.int64, device=self.device),
+                torch.full((key[0],), self._scratch, dtype=torch.int64, device=self.device),
+                torch.ones(key[0], dtype=torch.bool, device=self.device),
+            )
+            graph = self._graphs[key] = CapturedCall(lambda *inputs: (self._decode(*inputs),), harmless)
+            self._zero_row(self._scratch)
+        self._graphs.move_to_end(key)
+        return graph
 
     def _convnext(self, block: Any, x: torch.Tensor, index: torch.Tensor, preroll: _Preroll) -> torch.Tensor:
         h = self._convs[block.dwconv](x, index, preroll).permute(0, 2, 1)
