@@ -457,8 +457,8 @@ class Qwen3OmniModel:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture the thinker's decode step and the talker's frame per batch bucket (CUDA only); every capture
-        writes at the scratch slots only."""
+        """Capture the thinker's decode step, the talker's frame and the Code2Wav push per batch bucket (CUDA only);
+        every capture writes at the scratch slots only."""
         if self.device.type != "cuda":
             return
         self.thinker_steps.capture(self.thinker_cache.scratch)
@@ -473,6 +473,7 @@ class Qwen3OmniModel:
                 torch.tensor([[self.talker_cache.scratch] * bucket, [0] * bucket], device=self.device),
             )
             self._frame_graphs[bucket] = CapturedCall(self._frame, inputs)
+        self.code2wav.prepare()  # one frame a push, every row bucket
         torch.cuda.synchronize(self.device)
 
 
