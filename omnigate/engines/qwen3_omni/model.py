@@ -1,0 +1,582 @@
+"""Loading Qwen3-Omni and the tensor work its engine schedules: the thinker's text decoder, the talker and its code
+predictor, each on its own slot cache (:class:`~omnigate.engines.kv.slots.SlotKVCache`), batched across sessions.
+
+``--model preset:NAME`` builds a preset shape (:mod:`~omnigate.engines.qwen3_omni.presets`) with random weights;
+a directory is a local ``Qwen3OmniMoeForConditionalGeneration`` checkpoint (only local files are read).
+
+Positions are sequential for every token and the three rotary (mrope) sections get the same index, so the
+multimodal rotary embedding is the ordinary 1-D one for text and audio: a cos/sin table per stack, built once with
+the model's own rotary module. A thinker decode step samples every answer's next token and runs the thinker over the
+sampled ids in one padded step (:class:`~omnigate.engines.omni.decode_step.DecodeSteps`: a CUDA graph per batch
+bucket on CUDA). A talker frame (:meth:`Qwen3OmniModel.talker_frame`) samples each session's first codebook from the
+talker's logits, runs the code predictor for the other codebooks (a prefill of two rows, then one row per codebook,
+every session at once) and the talker over the frame's summed embeddings plus the next text embedding: one padded
+call, captured per bucket on CUDA too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+from omnigate.engines.duplex.graphs import CapturedCall, batch_buckets
+from omnigate.engines.kv.slots import SlotKVCache
+from omnigate.engines.omni.decode_step import POSITION, SLOT, TEMPERATURE, UNIFORM, DecodeSteps, pad_step_rows
+from omnigate.engines.omni.sampling import sample_rows
+from omnigate.engines.qwen3_omni.code2wav_stream import Code2WavStream
+from omnigate.engines.qwen3_omni.moe_stack import MoeDecoderStack
+from omnigate.engines.qwen3_omni.presets import PRESETS, preset_config
+from omnigate.engines.qwen3_omni.tokenizer import ChatTokenizer, HfChatTokenizer, PrintableChatTokenizer
+
+log = logging.getLogger(__name__)
+
+PRESET_PREFIX = "preset:"
+DEFAULT_SLOTS = 8
+DEFAULT_MAX_CONTEXT = 4096
+# The talker's sampling as transformers' generate defaults it (top-p 1.0 is no cut).
+TALKER_TOP_K = 50
+TALKER_REPETITION_PENALTY = 1.05
+# Rows of a talker frame's float inputs: the talker's temperature, then one uniform per codebook.
+FRAME_TEMPERATURE = 0
+
+
+class Qwen3OmniModelError(ValueError):
+    """A ``--model`` value that names no checkpoint directory or preset, or options it cannot take."""
+
+
+@dataclass(frozen=True)
+class FrameRows:
+    """One talker frame's rows on the host, padded to ``bucket``."""
+
+    bucket: int
+    floats: list[list[float]]  # [1 + groups][bucket]: temperature, then a uniform per codebook
+    ints: list[list[int]]  # [2][bucket]: slot, talker position
+
+
+def _rope_table(
+    rotary: Any, length: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[length, head_dim]`` of ``rotary`` at positions ``0..length-1`` (the same index in every section)."""
+    positions = torch.arange(length, device=device).view(1, 1, -1).expand(3, 1, -1)
+    probe = torch.zeros(1, 1, device=device, dtype=dtype)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions)
+    width = cos.shape[-1]
+    return cos.reshape(-1, length, width)[0].contiguous(), sin.reshape(-1, length, width)[0].contiguous()
+
+
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``logits`` with every id below each row's ``k``-th largest set to ``-inf``."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+class Qwen3OmniModel:
+    """A loaded Qwen3-Omni with key/value caches of ``slots`` sessions: the thinker's of ``max_context`` tokens (a
+    turn's prompt and answer), the talker's of ``max_context`` rows (its prompt and one row per audio frame), the
+    code predictor's of one frame; the streaming Code2Wav's state of ``slots`` sessions. Every method runs on the
+    engine's worker thread."""
+
+    def __init__(
+        self,
+        whole: Any,
+        tokenizer: ChatTokenizer,
+        *,
+        name: str,
+        random_weights: bool,
+        vocab_limit: int | None = None,
+        slots: int = DEFAULT_SLOTS,
+        max_context: int = DEFAULT_MAX_CONTEXT,
+    ) -> None:
+        if slots < 1 or max_context < 16:
+            raise Qwen3OmniModelError(f"slots ({slots}) must be positive and max_context ({max_context}) >= 16")
+        if not getattr(whole, "has_talker", False):
+            raise Qwen3OmniModelError(f"{name}: the checkpoint has no talker (enable_audio_output is off)")
+        self.whole = whole
+        self.config = whole.config
+        self.tokenizer = tokenizer
+        self.name = name
+        self.random_weights = random_weights
+        self.slots = slots
+        self.max_context = max_context
+        thinker, talker = whole.thinker, whole.talker
+        self.device = next(thinker.parameters()).device
+        self.dtype = next(thinker.parameters()).dtype
+        text = thinker.model.language_model
+        self.thinker_stack = MoeDecoderStack(text.layers, text.norm, text.config)
+        self.talker_stack = MoeDecoderStack(talker.model.layers, talker.model.norm, talker.config.text_config)
+        predictor = talker.code_predictor
+        self.predictor_stack = MoeDecoderStack(predictor.model.layers, predictor.model.norm, predictor.config)
+        self.groups = int(talker.config.num_code_groups)
+        self.accept_layer = int(talker.config.accept_hidden_layer)
+        self.thinker_cache = self._cache(self.thinker_stack, max_context)
+        self.talker_cache = self._cache(self.talker_stack, max_context)
+        self.predictor_cache = self._cache(self.predictor_stack, self.groups + 1)
+        self.thinker_rope = _rope_table(text.rotary_emb, max_context, self.device, self.dtype)
+        self.talker_rope = _rope_table(talker.model.rotary_emb, max_context, self.device, self.dtype)
+        self.predictor_rope = _rope_table(predictor.model.rotary_emb, self.groups + 1, self.device, self.dtype)
+        self.thinker_embed = thinker.get_input_embeddings()
+        self._thinker_head: torch.Tensor = thinker.lm_head.weight[:vocab_limit]
+        self.vocab_limit = vocab_limit
+        self.talker_embed: torch.Tensor = talker.model.codec_embedding.weight  # [codec vocab, talker hidden]
+        self._codec_head: torch.Tensor = talker.codec_head.weight
+        self._predictor_embeds = [e.weight for e in predictor.model.codec_embedding]  # groups - 1 of [2048, hidden]
+        self._predictor_heads = [h.weight for h in predictor.lm_head]
+        self.text_projection = talker.text_projection
+        self.hidden_projection = talker.hidden_projection
+        tc = talker.config
+        self.codec_eos = int(tc.codec_eos_token_id)
+        self.codec_specials = (
+            int(tc.codec_nothink_id), int(tc.codec_think_bos_id), int(tc.codec_think_eos_id),
+            int(tc.codec_pad_id), int(tc.codec_bos_id),
+        )  # fmt: skip
+        self.speakers = {str(k): int(v) for k, v in (tc.speaker_id or {}).items()}
+        codec_vocab = int(self._codec_head.shape[0])
+        # transformers' generate suppresses the codec's special ids (its last 1024) except the end of speech.
+        suppressed = torch.zeros(codec_vocab, dtype=torch.bool, device=self.device)
+        suppressed[max(0, codec_vocab - 1024) :] = True
+        suppressed[self.codec_eos] = False
+        self._suppressed = suppressed
+        self._seen = torch.zeros(slots + 1, codec_vocab, dtype=torch.bool, device=self.device)
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
+        self.talker_top_k = TALKER_TOP_K
+        self.repetition_penalty = TALKER_REPETITION_PENALTY
+        with torch.inference_mode():
+            specials = torch.tensor(
+                [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id],
+                device=self.device,
+            )
+            bos, eos, pad = self.text_projection(self.thinker_embed(specials)).unbind(0)
+        self.tts_bos: torch.Tensor = bos
+        self.tts_eos: torch.Tensor = eos
+        self.tts_pad: torch.Tensor = pad
+        self.thinker_steps = DecodeSteps(
+            self._thinker_sample_forward, slots=slots, vocab=int(self._thinker_head.shape[0]), device=self.device
+        )
+        self.frame_buckets = batch_buckets(slots)
+        self._frame_graphs: dict[int, CapturedCall] = {}
+        # Codec frames to 24 kHz audio, one row per session, exact against a full decode.
+        self.code2wav = Code2WavStream(whole.code2wav, slots, self.device, self.dtype)
+        self.sample_rate = 24_000
+
+    def _cache(self, stack: MoeDecoderStack, capacity: int) -> SlotKVCache:
+        return SlotKVCache(
+            layers=stack.layers,
+            slots=self.slots,
+            capacity=capacity,
+            kv_heads=stack.kv_heads,
+            head_dim=stack.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    # ---------------------------------------------------------------- thinker
+
+    @torch.inference_mode()
+    def embed_prompt(self, ids: Sequence[int], audio: torch.Tensor | None = None) -> torch.Tensor:
+        """The thinker's input rows ``[L, hidden]`` of a prompt: token embeddings, with ``audio`` (``[n, hidden]``)
+        in order at the ``n`` audio placeholder ids."""
+        tokens = torch.tensor(list(ids), device=self.device)
+        rows: torch.Tensor = self.thinker_embed(tokens).to(self.dtype)
+        if audio is not None and audio.shape[0]:
+            where = tokens == int(self.config.thinker_config.audio_token_id)
+            if int(where.sum()) != audio.shape[0]:
+                raise Qwen3OmniModelError("the prompt's audio placeholders do not match the audio tokens given")
+            rows = rows.clone()
+            rows[where] = audio.to(rows.dtype)
+        return rows
+
+    @torch.inference_mode()
+    def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """Audio tokens ``[n, hidden]`` of log-mel ``features`` ``[mel, frames]`` (the audio encoder's input)."""
+        mask = torch.ones(1, features.shape[-1], dtype=torch.long, device=self.device)
+        out = self.whole.thinker.get_audio_features(
+            features[None].to(self.device, self.dtype), feature_attention_mask=mask
+        )
+        hidden: torch.Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+        return hidden.detach()
+
+    def _thinker_logits(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (self.thinker_stack.norm(x) @ self._thinker_head.t()).float()
+        return out
+
+    @torch.inference_mode()
+    def thinker_prefill(
+        self, slots: Sequence[int], prompts: Sequence[torch.Tensor], *, keep: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Start each of ``slots`` over with its prompt rows, all in ONE forward (each row attends over its own
+        slot only). The next-token logits ``[n, vocab]``, and with ``keep`` each prompt's thinker hidden states at
+        the talker's ``accept_hidden_layer`` (what the talker reads at audio positions). Raises
+        :class:`~omnigate.engines.kv.slots.ContextFull` before writing anything."""
+        for slot in slots:
+            self.thinker_cache.reset(slot)
+        counts = [int(p.shape[0]) for p in prompts]
+        rows = self.thinker_cache.plan(slots, counts)
+        cos, sin = (t.index_select(0, rows.positions) for t in self.thinker_rope)
+        x = torch.cat([p.to(self.dtype) for p in prompts])
+        layers = self.thinker_stack.layers
+        keep_layer = min(self.accept_layer, layers) if keep else None
+        out, kept = self.thinker_stack.forward(
+            x, self.thinker_cache.keys, self.thinker_cache.values, rows.slots, rows.positions, cos, sin,
+            keep_layer=keep_layer,
+        )  # fmt: skip
+        self.thinker_cache.commit(slots, counts)
+        hidden = None
+        if kept is not None:
+            if keep_layer == layers:  # transformers' last hidden state is the normed one
+                kept = self.thinker_stack.norm(kept)
+            hidden = list(torch.split(kept, counts))
+        return self._thinker_logits(out.index_select(0, rows.last)), hidden
+
+    def _thinker_sample_forward(
+        self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sampled = sample_rows(logits, floats[TEMPERATURE], floats[UNIFORM])
+        positions = ints[POSITION]
+        x = self.thinker_embed(sampled).to(self.dtype)
+        cos, sin = (t.index_select(0, positions) for t in self.thinker_rope)
+        out, _ = self.thinker_stack.forward(
+            x, self.thinker_cache.keys, self.thinker_cache.values, ints[SLOT], positions, cos, sin
+        )
+        return sampled, self._thinker_logits(out)
+
+    @torch.inference_mode()
+    def thinker_step(
+        self,
+        logits: Sequence[torch.Tensor],
+        temperature: Sequence[float],
+        uniforms: Sequence[float],
+        slots: Sequence[int | None],
+    ) -> tuple[list[int], torch.Tensor]:
+        """One padded decode step of every answer: sample row ``i`` from ``logits[i]`` and append the id to
+        ``slots[i]`` (None: the answer cannot go on, it writes nowhere). The ids and the next logits ``[n, vocab]``;
+        :meth:`SlotKVCache.commit` counts the token of the answers that go on."""
+        targets = [None if s is None else (s, self.thinker_cache.length(s)) for s in slots]
+        rows = pad_step_rows(temperature, uniforms, targets, self.thinker_steps.buckets, self.thinker_cache.scratch)
+        sampled, following = self.thinker_steps.run(logits, rows)
+        ids: list[int] = sampled.tolist()
+        return ids, following
+
+    # ---------------------------------------------------------------- talker
+
+    @torch.inference_mode()
+    def talker_user_rows(self, ids: Sequence[int], embeds: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The talker's rows for a prompt's user turns (as transformers' ``generate`` builds them): every token of
+        a turn whose role is ``user``, the text projection of its thinker embedding, or at audio/image/video
+        positions the hidden projection of the thinker's ``accept_hidden_layer`` state."""
+        tc = self.config.thinker_config
+        multimodal = {int(tc.audio_token_id), int(tc.image_token_id), int(tc.video_token_id)}
+        im_start, user = int(self.config.im_start_token_id), int(self.config.user_token_id)
+        chosen: list[int] = []
+        role = -1
+        for i, token in enumerate(ids):
+            if token == im_start:
+                role = ids[i + 1] if i + 1 < len(ids) else -1
+            if role == user:
+                chosen.append(i)
+        index = torch.tensor(chosen, device=self.device, dtype=torch.long)
+        mm = torch.tensor([ids[i] in multimodal for i in chosen], device=self.device, dtype=torch.bool)
+        rows = self.text_projection(embeds.index_select(0, index).to(self.dtype))
+        if bool(mm.any()):
+            if hidden is None:
+                raise Qwen3OmniModelError("a prompt with audio needs the thinker's hidden states")
+            rows = rows.clone()
+            rows[mm] = self.hidden_projection(hidden.index_select(0, index)[mm].to(self.dtype)).to(rows.dtype)
+        out: torch.Tensor = rows
+        return out
+
+    @torch.inference_mode()
+    def talker_prompt(self, user_rows: torch.Tensor, assistant_ids: Sequence[int], speaker: str) -> torch.Tensor:
+        """The talker's prefill rows: the user rows, then the assistant part: its first three ids (``<|im_start|>``,
+        the role, the newline) and the answer's first token (``assistant_ids[3]``), text-projected, with four
+        ``tts_pad`` and a ``tts_bos`` between them, each added to the codec's special ids (no-think markers, the
+        speaker, pad, bos)."""
+        if speaker.lower() not in self.speakers:
+            raise Qwen3OmniModelError(f"unknown speaker {speaker!r}; choose one of {', '.join(sorted(self.speakers))}")
+        text = self.text_projection(self.thinker_embed(torch.tensor(list(assistant_ids[:4]), device=self.device)))
+        text_rows = torch.cat([text[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], text[3:4]])
+        nothink, think_bos, think_eos, pad, bos = self.codec_specials
+        codec_ids = torch.tensor(
+            [nothink, think_bos, think_eos, self.speakers[speaker.lower()], pad, bos], device=self.device
+        )
+        codec = torch.cat([torch.zeros(3, text.shape[1], device=self.device, dtype=self.dtype),
+                           self.talker_embed[codec_ids].to(self.dtype)])  # fmt: skip
+        return torch.cat([user_rows.to(self.dtype), (text_rows + codec).to(self.dtype)])
+
+    @torch.inference_mode()
+    def trailing_text(self, token: int | None, *, end: bool) -> torch.Tensor:
+        """The text row a talker frame adds: the text projection of the answer's next ``token``, ``tts_eos`` right
+        after the last one (``end``), ``tts_pad`` afterwards (``token`` None)."""
+        if token is not None:
+            row: torch.Tensor = self.text_projection(self.thinker_embed(torch.tensor([token], device=self.device)))[0]
+            return row
+        chosen: torch.Tensor = self.tts_eos if end else self.tts_pad
+        return chosen
+
+    def _talker_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codec logits float32, normed hidden) of talker outputs."""
+        normed = self.talker_stack.norm(x)
+        return (normed @ self._codec_head.t()).float(), normed
+
+    @torch.inference_mode()
+    def talker_prefill(
+        self, slots: Sequence[int], prompts: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start each of ``slots``' talker over with its prompt rows, in one forward: the first codebook's logits
+        ``[n, codec vocab]`` and the talker's last hidden state ``[n, hidden]`` of each."""
+        for slot in slots:
+            self.talker_cache.reset(slot)
+            self._seen[slot] = False
+        counts = [int(p.shape[0]) for p in prompts]
+        rows = self.talker_cache.plan(slots, counts)
+        cos, sin = (t.index_select(0, rows.positions) for t in self.talker_rope)
+        x = torch.cat([p.to(self.dtype) for p in prompts])
+        out, _ = self.talker_stack.forward(
+            x, self.talker_cache.keys, self.talker_cache.values, rows.slots, rows.positions, cos, sin
+        )
+        self.talker_cache.commit(slots, counts)
+        return self._talker_out(out.index_select(0, rows.last))
+
+    def _sample_codes(self, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        return sample_rows(top_k_mask(logits, self.talker_top_k), temperature, uniforms)
+
+    def _frame(
+        self,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        trailing: torch.Tensor,
+        floats: torch.Tensor,
+        ints: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The padded frame step (device work only): (codes ``[B, groups]``, next codec logits, next hidden)."""
+        slots, positions = ints[0], ints[1]
+        temperature = floats[FRAME_TEMPERATURE]
+        # The first codebook: repetition penalty over the session's earlier first codes, specials suppressed.
+        seen = self._seen.index_select(0, slots)
+        penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+        logits = torch.where(seen, penalised, logits).masked_fill(self._suppressed, float("-inf"))
+        first = self._sample_codes(logits, temperature, floats[1])
+        self._seen.index_put_((slots, first), self._true)  # a device scalar: a graph cannot copy from the host
+        # The code predictor: [hidden, embed(first)] as a two-row prefill of each row's predictor slot, then one row
+        # per further codebook.
+        rows = hidden.shape[0]
+        keys, values = self.predictor_cache.keys, self.predictor_cache.values
+        pair_slots = slots.repeat_interleave(2)
+        pair_positions = torch.arange(2, device=self.device).repeat(rows)
+        cos, sin = (t.index_select(0, pair_positions) for t in self.predictor_rope)
+        x = torch.stack([hidden, self.talker_embed[first].to(self.dtype)], dim=1).reshape(2 * rows, -1)
+        out, _ = self.predictor_stack.forward(x, keys, values, pair_slots, pair_positions, cos, sin)
+        last = self.predictor_stack.norm(out.view(rows, 2, -1)[:, 1])
+        codes = [first]
+        summed = self.talker_embed[first].to(self.dtype)
+        for group in range(1, self.groups):
+            code = self._sample_codes(
+                (last @ self._predictor_heads[group - 1].t()).float(), temperature, floats[1 + group]
+            )
+            codes.append(code)
+            embedded = self._predictor_embeds[group - 1][code].to(self.dtype)
+            summed = summed + embedded
+            if group == self.groups - 1:
+                break
+            position = torch.full_like(slots, group + 1)
+            cos, sin = (t.index_select(0, position) for t in self.predictor_rope)
+            out, _ = self.predictor_stack.forward(embedded, keys, values, slots, position, cos, sin)
+            last = self.predictor_stack.norm(out)
+        # The talker over the frame: the sum of every codebook's embedding plus the text row.
+        cos, sin = (t.index_select(0, positions) for t in self.talker_rope)
+        out, _ = self.talker_stack.forward(
+            summed + trailing.to(self.dtype),
+            self.talker_cache.keys,
+            self.talker_cache.values,
+            slots,
+            positions,
+            cos,
+            sin,
+        )
+        following, normed = self._talker_out(out)
+        return torch.stack(codes, dim=1), following, normed
+
+    def pad_frame_rows(
+        self, temperature: Sequence[float], uniforms: Sequence[Sequence[float]], slots: Sequence[int | None]
+    ) -> FrameRows:
+        """A frame's rows: row ``i`` samples with ``temperature[i]`` and ``uniforms[i]`` (one per codebook) and
+        appends its frame to ``slots[i]``' talker (None, and the padding up to the bucket: the scratch slot)."""
+        count = len(slots)
+        bucket = next((b for b in self.frame_buckets if b >= count), None)
+        if bucket is None or count == 0:
+            raise ValueError(f"a frame of {count} rows does not fit the buckets {self.frame_buckets}")
+        pad = bucket - count
+        scratch = self.talker_cache.scratch
+        ids = [scratch if s is None else s for s in slots] + [scratch] * pad
+        positions = [0 if s is None else self.talker_cache.length(s) for s in slots] + [0] * pad
+        floats = [list(temperature) + [0.0] * pad]
+        for group in range(self.groups):
+            floats.append([u[group] for u in uniforms] + [0.0] * pad)
+        return FrameRows(bucket=bucket, floats=floats, ints=[ids, positions])
+
+    @torch.inference_mode()
+    def talker_frame(
+        self,
+        logits: Sequence[torch.Tensor],
+        hidden: Sequence[torch.Tensor],
+        trailing: Sequence[torch.Tensor],
+        rows: FrameRows,
+    ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """One frame of ``n = len(logits)`` sessions: each one's codes (``groups`` ids; the first is the codec's
+        end of speech when it stops), and the talker's next logits and hidden ``[n, ...]``. The talker's length is
+        not committed here (the caller commits the sessions whose frame was not the end)."""
+        count = len(logits)
+        floats = torch.tensor(rows.floats, dtype=torch.float64, device=self.device)
+        ints = torch.tensor(rows.ints, dtype=torch.int64, device=self.device)
+        bucket = rows.bucket
+        captured = self._frame_graphs.get(bucket)
+        if captured is None:
+            padded_logits = torch.zeros(bucket, logits[0].shape[-1], device=self.device)
+            padded_hidden = torch.zeros(bucket, hidden[0].shape[-1], device=self.device, dtype=self.dtype)
+            padded_trailing = torch.zeros_like(padded_hidden)
+        else:
+            padded_logits, padded_hidden, padded_trailing = captured.inputs[:3]
+        torch.stack(list(logits), out=padded_logits[:count])
+        torch.stack([h.to(self.dtype) for h in hidden], out=padded_hidden[:count])
+        torch.stack([t.to(self.dtype) for t in trailing], out=padded_trailing[:count])
+        if captured is None:
+            codes, following, normed = self._frame(padded_logits, padded_hidden, padded_trailing, floats, ints)
+        else:
+            codes, following, normed = captured.run((padded_logits, padded_hidden, padded_trailing, floats, ints))
+        ids: list[list[int]] = codes[:count].tolist()
+        return ids, following[:count], normed[:count]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the thinker's decode step, the talker's frame and the Code2Wav push per batch bucket (CUDA only);
+        every capture writes at the scratch slots only."""
+        if self.device.type != "cuda":
+            return
+        self.thinker_steps.capture(self.thinker_cache.scratch)
+        codec_vocab = int(self._codec_head.shape[0])
+        hidden = int(self.talker_embed.shape[1])
+        for bucket in self.frame_buckets:
+            inputs = (
+                torch.zeros(bucket, codec_vocab, device=self.device),
+                torch.zeros(bucket, hidden, device=self.device, dtype=self.dtype),
+                torch.zeros(bucket, hidden, device=self.device, dtype=self.dtype),
+                torch.zeros(1 + self.groups, bucket, device=self.device, dtype=torch.float64),
+                torch.tensor([[self.talker_cache.scratch] * bucket, [0] * bucket], device=self.device),
+            )
+            self._frame_graphs[bucket] = CapturedCall(self._frame, inputs)
+        self.code2wav.prepare()  # one frame a push, every row bucket
+        torch.cuda.synchronize(self.device)
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise Qwen3OmniModelError(f"dtype {name!r}: choose float32, bfloat16 or float16") from None
+
+
+@torch.no_grad()
+def _init_experts(whole: Any, std: float) -> None:
+    """Draw every expert weight: transformers' initialisation skips the talker's experts (``torch.empty``), so a
+    preset would otherwise run on whatever the memory held (NaN now and then)."""
+    for name, param in whole.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            param.normal_(0.0, std)
+
+
+def build_preset(
+    name: str,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    slots: int = DEFAULT_SLOTS,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+    vocab_limit: bool = True,
+) -> Qwen3OmniModel:
+    """Preset ``name`` with weights drawn from ``seed``, built directly on ``device`` in ``dtype``; the answer's
+    ids limited to the printable ones and ``<|im_end|>`` unless ``vocab_limit`` is off."""
+    try:
+        config = preset_config(name)
+    except KeyError:
+        raise Qwen3OmniModelError(f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}") from None
+    target = torch.device(device)
+    previous = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []), target:
+        torch.manual_seed(seed)
+        torch.set_default_dtype(_dtype(dtype))
+        try:
+            whole: Any = Qwen3OmniMoeForConditionalGeneration(config)
+            _init_experts(whole, float(config.talker_config.initializer_range))
+        finally:
+            torch.set_default_dtype(previous)
+    whole = whole.eval()
+    tokenizer = PrintableChatTokenizer(config)
+    log.warning("preset %r has random weights: its answers are random characters and its voice is noise", name)
+    return Qwen3OmniModel(
+        whole,
+        tokenizer,
+        name=f"{PRESET_PREFIX}{name}",
+        random_weights=True,
+        vocab_limit=tokenizer.im_end + 1 if vocab_limit else None,
+        slots=slots,
+        max_context=max_context,
+    )
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    slots: int = DEFAULT_SLOTS,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+) -> Qwen3OmniModel:
+    """A local ``Qwen3OmniMoeForConditionalGeneration`` checkpoint; only local files are read."""
+    if not (path / "config.json").is_file():
+        raise Qwen3OmniModelError(f"{path} is not a checkpoint directory (no config.json)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type != "qwen3_omni_moe":
+        raise Qwen3OmniModelError(f"{path}: model_type {config.model_type!r} is not a Qwen3-Omni checkpoint")
+    whole: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=_dtype(dtype))
+    whole = whole.to(device).eval()
+    tokenizer: ChatTokenizer
+    limit: int | None = None
+    if (path / "tokenizer_config.json").is_file():
+        tokenizer = HfChatTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), config)
+    else:  # a checkpoint saved without a tokenizer (a test's tiny model): printable ids
+        tokenizer = PrintableChatTokenizer(config)
+        limit = tokenizer.im_end + 1
+    return Qwen3OmniModel(
+        whole, tokenizer, name=str(path), random_weights=False, vocab_limit=limit, slots=slots, max_context=max_context
+    )
+
+
+def load_model(
+    spec: str,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str | None = None,
+    slots: int = DEFAULT_SLOTS,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+) -> Qwen3OmniModel:
+    """Resolve ``--model``: ``preset:NAME`` or a checkpoint directory."""
+    if spec.startswith(PRESET_PREFIX):
+        return build_preset(
+            spec[len(PRESET_PREFIX) :], seed=seed, device=device, dtype=dtype or "float32", slots=slots,
+            max_context=max_context,
+        )  # fmt: skip
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise Qwen3OmniModelError(f"model {spec!r} is neither preset:NAME nor a directory")
+    return load_checkpoint(path, device=device, dtype=dtype or "bfloat16", slots=slots, max_context=max_context)
