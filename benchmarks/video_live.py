@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--seconds", type=float, default=12.0, help="per level, from each stream's create")
     parser.add_argument("--no-clip", action="store_true", help="skip the whole-clip comparison")
+    parser.add_argument(
+        "--serial-decode", action="store_true", help="decode each chunk on the worker, in line (no overlap)"
+    )
     return parser.parse_args(argv)
 
 
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_sessions": str(max(levels)),
         "max_frames_in_flight": str(4 * args.chunk * 4),
         "cache_frames": str(args.cache_frames),
+        "overlap_decode": str(not args.serial_decode).lower(),
     }
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/video_live.py", *(argv or sys.argv[1:])]),
@@ -289,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             "forwards_run": engine.forwards_run,
             "batched_samples": engine.batched_samples,
             "chunks_decoded": engine.chunks_decoded,
+            "decode_calls": engine.decode_calls,
         }
         try:
             report["split"] = split(engine, args, levels)
