@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--seconds", type=float, default=12.0, help="per level, from each stream's create")
     parser.add_argument("--no-clip", action="store_true", help="skip the whole-clip comparison")
+    parser.add_argument("--no-split", action="store_true", help="skip the per-piece timing (and the whole clip)")
     parser.add_argument(
         "--serial-decode", action="store_true", help="decode each chunk on the worker, in line (no overlap)"
     )
@@ -296,10 +297,11 @@ def main(argv: list[str] | None = None) -> int:
             "decode_calls": engine.decode_calls,
         }
         try:
-            report["split"] = split(engine, args, levels)
-            print("split", json.dumps(report["split"], default=str), flush=True)
-            args.out.write_text(json.dumps(report, indent=1, default=str))
-            if not args.no_clip:
+            if not args.no_split:
+                report["split"] = split(engine, args, levels)
+                print("split", json.dumps(report["split"], default=str), flush=True)
+                args.out.write_text(json.dumps(report, indent=1, default=str))
+            if not (args.no_clip or args.no_split):
                 report["whole_clip"] = whole_clip(engine, args)
                 print("whole clip", json.dumps(report["whole_clip"]["time_to_first_frame_s"]), flush=True)
         except Exception as exc:  # keep the levels' figures when a later part fails

@@ -375,8 +375,6 @@ class LiveVideoEngine(VideoEngine):
         """End the jobs with an error once no chunk of theirs is being decoded (the worker finishes them)."""
         with self._cond:
             for job in jobs:
-                if job.handed is not None:
-                    job.handed.decoding = False
                 job.failure = job.failure or (code, message)
             self._cond.notify_all()
 
@@ -515,17 +513,23 @@ class LiveVideoEngine(VideoEngine):
             frames = [to_rgb_frames(video) for video in videos]
         except torch.OutOfMemoryError:
             log.warning("a live video decode ran out of device memory")
-            self._fail([chunk.job for chunk in chunks], "out_of_memory", "the generation ran out of device memory")
+            self._decode_failed(chunks, "out_of_memory", "the generation ran out of device memory")
             return
         except Exception as exc:
             log.exception("a live video decode failed")
-            self._fail([chunk.job for chunk in chunks], "engine_error", f"{type(exc).__name__}: {exc}")
+            self._decode_failed(chunks, "engine_error", f"{type(exc).__name__}: {exc}")
             return
         self.decode_calls += 1
         with self._cond:
             for chunk, rgb in zip(chunks, frames, strict=True):
                 self._hand_out(chunk, rgb)
             self._cond.notify_all()
+
+    def _decode_failed(self, chunks: list[_Chunk], code: str, message: str) -> None:
+        with self._cond:
+            for chunk in chunks:
+                chunk.decoding = False  # done with: the worker may now free its stream
+        self._fail([chunk.job for chunk in chunks], code, message)
 
     def _hand_out(self, chunk: _Chunk, rgb: npt.NDArray[np.uint8]) -> None:
         """The chunk's frames, then what waited for them (lock held)."""
