@@ -202,6 +202,37 @@ def test_a_failing_decode_ends_its_stream_typed_and_the_next_stream_runs(monkeyp
     assert after[-1].status == "completed"
 
 
+def test_a_forward_that_fails_during_its_streams_decode_ends_it_typed_after_the_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held = HeldDecodes(monkeypatch)
+    forward = live.causal_forward
+    calls = 0
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == STEPS + 2:  # chunk 1's first step, while chunk 0 is in the VAE
+            raise RuntimeError("transformer exploded")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(live, "causal_forward", failing)
+    engine = live_engine()
+    engine.start()
+    try:
+        job = engine.submit(engine.resolve("a fox", live=True, seed=1))
+        assert held.entered.acquire(timeout=60)
+        wait_until(lambda: job.failure is not None)
+        # The VAE still holds its decoder: the stream ends only once that decode is over.
+        assert not job.finished
+        held.release.set()
+        outputs = drain(job)
+    finally:
+        engine.stop()
+    done = outputs[-1]
+    assert (done.status, done.code, done.error) == ("error", "engine_error", "RuntimeError: transformer exploded")
+
+
 class DecodeThreadKilled(BaseException):
     """Escapes the decode's error handling, as a bug in the thread itself would."""
 
