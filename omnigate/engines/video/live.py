@@ -419,14 +419,14 @@ class LiveVideoEngine(VideoEngine):
         job.last_input = None
         ended = job.frames_handed >= job.max_frames
         job.stage = _Stage.LAST if ended else _Stage.CACHE
+        in_line = not self.options.overlap_decode
         with self._cond:
             job.handed = chunk
-            if self._decode_dead and self.options.overlap_decode:
+            chunk.decoding = in_line
+            if self._decode_dead and not in_line:
                 job.failure = ("engine_error", "the video decode thread has stopped")
             self._cond.notify_all()
-        if not self.options.overlap_decode:
-            with self._cond:
-                chunk.decoding = True
+        if in_line:
             self._decode([chunk])
 
     def _take_prompt(self, job: LiveJob) -> None:
