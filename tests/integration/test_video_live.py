@@ -113,6 +113,7 @@ async def test_a_live_stream_runs_in_chunks_follows_a_new_prompt_and_stops_on_ca
         assert accepted is not None and accepted["prompt_id"] == updated["prompt_id"] == 1
         # No later than the chunk after the one in progress when the prompt came.
         assert updated["chunk_index"] <= in_progress + 1
+        assert 0 <= updated["step"] < LIVE["steps"]  # from which of that chunk's denoising steps
         assert [c["prompt_id"] for c in chunks] == [0 if c["index"] < updated["chunk_index"] else 1 for c in chunks]
         await send(ws, "video.cancel")
         events, media, done = await until_done(ws)

@@ -202,8 +202,9 @@ def wait_until(predicate: Any, limit_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_live_stream_nobody_reads_parks_on_its_frame_credit() -> None:
-    engine = VideoEngine.load("preset:tiny-causal", max_frames_in_flight="12")
+@pytest.mark.parametrize("overlap", ["true", "false"])
+def test_a_live_stream_nobody_reads_parks_on_its_frame_credit(overlap: str) -> None:
+    engine = VideoEngine.load("preset:tiny-causal", max_frames_in_flight="12", overlap_decode=overlap)
     assert isinstance(engine, LiveVideoEngine)
     engine.start()
     try:

@@ -50,11 +50,13 @@ class VideoDone(msgspec.Struct, frozen=True):
 
 
 class PromptUpdated(msgspec.Struct, frozen=True):
-    """A live stream's new prompt takes effect: ``chunk_index`` is the first chunk generated with it (handed out
-    before that chunk's frames)."""
+    """A live stream's new prompt takes effect (handed out before that chunk's frames): ``chunk_index`` is the first
+    chunk generated with it, from its denoising step ``step`` on (0: the whole chunk; later steps of a chunk
+    already under way when the prompt came)."""
 
     prompt_id: int
     chunk_index: int
+    step: int = 0
 
 
 VideoOutput = FrameGroup | PromptUpdated | VideoDone

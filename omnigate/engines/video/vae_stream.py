@@ -147,3 +147,44 @@ class StreamingVaeDecoder:
                 pieces.append(tile[:, :, :, : tiling.stride, : tiling.stride])
             result_rows.append(torch.cat(pieces, dim=-1))
         return torch.cat(result_rows, dim=3)[:, :, :, : height * scale, : width * scale]
+
+
+def decode_together(decoders: list[StreamingVaeDecoder], latents: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each decoder's next latent frames (``(1, z, n, h, w)`` each) through the VAE in one batched call.
+
+    The decoders' feature caches are concatenated along the batch axis, decoded as one video of batch ``len``, and
+    split back, so each decoder continues as if it had decoded alone. They must be at the same point of their videos:
+    the same latent size and the same cache layout (all first frames, or all past their first two).
+    """
+    if len(decoders) != len(latents) or not decoders:
+        raise ValueError("one batch of latent frames per decoder")
+    if len(decoders) == 1:
+        return [decoders[0].decode(latents[0])]
+    lead = decoders[0]
+    if any(d.vae is not lead.vae or d.tiling != lead.tiling or d._shape != lead._shape for d in decoders):
+        raise ValueError("decoders decoded together must share the VAE, the tiling and the latent size")
+    merged = StreamingVaeDecoder(lead.vae, lead.tiling)
+    merged.latent_frames_decoded = lead.latent_frames_decoded
+    merged._shape = lead._shape
+    for key in lead._caches:
+        merged._caches[key] = [
+            _joined([decoder._caches[key][slot] for decoder in decoders]) for slot in range(merged._slots)
+        ]
+    video = merged.decode(torch.cat(latents))
+    for row, decoder in enumerate(decoders):
+        decoder._caches = {
+            key: [s[row : row + 1] if isinstance(s, torch.Tensor) else s for s in cache]
+            for key, cache in merged._caches.items()
+        }
+        decoder._shape = merged._shape
+        decoder.latent_frames_decoded = merged.latent_frames_decoded
+    return [video[row : row + 1] for row in range(len(decoders))]
+
+
+def _joined(slots: list[Any]) -> Any:
+    """One feature-cache slot of several decoders, batched: their tensors concatenated, or the marker they share."""
+    if all(isinstance(slot, torch.Tensor) for slot in slots):
+        return torch.cat(slots)
+    if any(isinstance(slot, torch.Tensor) or slot != slots[0] for slot in slots):
+        raise ValueError("decoders decoded together must be at the same point of their videos")
+    return slots[0]

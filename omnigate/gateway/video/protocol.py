@@ -5,7 +5,7 @@ Client events: ``video.create`` {prompt, width, height, num_frames, fps, steps, 
 chunk_frames} (all but the prompt optional: the model's defaults), ``video.prompt`` {prompt} (a live stream's new
 prompt), ``video.cancel``, ``session.close``. Server: ``video.start`` {mime, width, height, fps, num_frames, seed,
 live}, ``video.chunk`` {index, frames, prompt_id} before each chunk's media (chunk-causal models),
-``video.prompt.accepted`` {prompt_id} (at once), ``video.prompt.updated`` {prompt_id, chunk_index} (before the
+``video.prompt.accepted`` {prompt_id} (at once), ``video.prompt.updated`` {prompt_id, chunk_index, step} (before the
 first chunk generated with it), ``video.done`` {status, frames, bytes, stats, code}, and
 ``error`` {code, message, param} for a bad message, after which the session stays usable.
 """
@@ -136,7 +136,12 @@ def chunk_event(group: FrameGroup) -> dict[str, Any]:
 
 def prompt_updated_event(update: PromptUpdated) -> dict[str, Any]:
     """``video.prompt.updated``: from which chunk on the stream follows the new prompt."""
-    return {"type": "video.prompt.updated", "prompt_id": update.prompt_id, "chunk_index": update.chunk_index}
+    return {
+        "type": "video.prompt.updated",
+        "prompt_id": update.prompt_id,
+        "chunk_index": update.chunk_index,
+        "step": update.step,
+    }
 
 
 def done_event(done: VideoDone, frames: int, total_bytes: int | None) -> dict[str, Any]:
