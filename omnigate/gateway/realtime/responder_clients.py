@@ -68,5 +68,5 @@ class ResponderClients:
 
     async def aclose(self) -> None:
         if self.recognizer is not None:
-            self.recognizer.close()
+            await self.recognizer.aclose()
         await self.http.aclose()
