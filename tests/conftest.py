@@ -1,11 +1,15 @@
 """Skips, with the reason, the tests that need system packages when ``scripts/test --no-system`` did not install
-them (it sets ``OMNIGATE_NO_SYSTEM_PACKAGES=1``)."""
+them (it sets ``OMNIGATE_NO_SYSTEM_PACKAGES=1``). Servers the tests start, in-process or as ``omnigate serve``
+subprocesses, run without the embedded LLM (``OMNIGATE_EMBEDDED_AGENT=0``) unless a test asks for it: loading it
+in every test server would cost each ~15 s of CPU and a gigabyte."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+os.environ.setdefault("OMNIGATE_EMBEDDED_AGENT", "0")
 
 # Marker -> the system packages its tests need (scripts/test installs them with apt-get and npm).
 SYSTEM_PACKAGES = {"browser": "chromium and node/npm (playwright-core)", "haproxy": "haproxy"}

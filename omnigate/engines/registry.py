@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 EngineLoader = Callable[..., Engine]
 
 
+def _load_hibari(model: str | None, **options: Any) -> Engine:
+    from omnigate.engines.hibari import HibariEngine
+
+    return HibariEngine.load(model, **options)
+
+
 def _load_piper(model: str | None, **options: Any) -> Engine:
     from omnigate.engines.piper import PiperEngine
 
@@ -42,13 +48,14 @@ def _load_duplex(model: str | None, **options: Any) -> Engine:
 
 
 LOADERS: dict[str, EngineLoader] = {
+    "hibari": _load_hibari,
     "piper": _load_piper,
     "synthetic": _load_synthetic,
     "talker": _load_talker,
     "duplex": _load_duplex,
 }
 
-DEFAULT_ENGINE = "piper"
+DEFAULT_ENGINE = "hibari"
 
 
 def load_video_engine(model: str | None, **options: Any) -> VideoEngine:

@@ -12,14 +12,19 @@ MAX_INPUT_CHARS = 4096
 # The slowest speech the audio limit is sized for: 10 characters a second at speed 1 (slow, deliberate reading;
 # piper's voice reads the load-test corpus at 16.5), slower still by the request's speed.
 SLOWEST_CHARS_PER_S = 10.0
+# The conversation sent to the embedded LLM at most: its 2048-token context less a 512-token answer, at the ~3.5
+# characters a token of SmolLM2's tokenizer on English, with room for the chat markup.
+EMBEDDED_LLM_HISTORY_CHARS = 4_500
 
 
 class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The services a ``/v1/realtime`` session answers the user with (``serve --llm-url``, ``--asr-url``): an
     OpenAI-compatible chat-completions server, streamed, and optionally a transcription server. URLs are the base an
-    OpenAI SDK takes (``http://host:port/v1``); API keys go out as ``Authorization: Bearer``."""
+    OpenAI SDK takes (``http://host:port/v1``); API keys go out as ``Authorization: Bearer``. Without an LLM URL,
+    ``embedded_llm`` answers with the model embedded in the server (``serve`` without ``--no-embedded-agent``)."""
 
-    llm_url: str
+    llm_url: str | None = None  # wins over embedded_llm
+    embedded_llm: bool = False  # the embedded LLM (omnigate.engines.llm), loaded in the background at startup
     llm_model: str | None = None  # None: the request names no model (vLLM and llama.cpp serve their own)
     llm_api_key: str | None = None
     llm_max_tokens: int = 1024  # per response, below a smaller max_output_tokens of the session
@@ -51,6 +56,8 @@ class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--llm-max-tokens, --history-max-chars and --asr-max-audio must be positive")
         if self.embedded_asr_max_decoders < 1:
             raise ValueError("the embedded recognizer needs at least one decoder")
+        if self.llm_url is None and not self.embedded_llm:
+            raise ValueError("the responder needs an LLM: --llm-url, or the embedded one")
         for name, url in (("--llm-url", self.llm_url), ("--asr-url", self.asr_url)):
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
@@ -61,7 +68,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: str = "piper"
+    engine: str = "hibari"
     model: str | None = None
     engine_options: dict[str, str] = {}
     # where engines run: "local" (this process) or "ray" (engine replicas on a Ray cluster, see deploy/)

@@ -41,11 +41,36 @@ def slot_attention_reference(
     ``query`` is ``[R, H, D]``; the caches are ``[slots, capacity, Hkv, D]``; returns ``[R, H * D]``. Reads only up to
     the longest length in the batch (a host read of ``lengths``).
     """
+    slot_ids = slots.tolist()
+    if len(set(slot_ids)) < len(slot_ids):
+        return _grouped_slot_attention(query, key_cache, value_cache, slot_ids, lengths, scale)
     span = int(lengths.max())
     keys = key_cache[slots, :span]
     values = value_cache[slots, :span]
     allowed = torch.arange(span, device=query.device)[None, None, :] < lengths[:, None, None]
     return masked_attention(query.unsqueeze(1), keys, values, allowed, scale)[:, 0]
+
+
+def _grouped_slot_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_ids: list[int],
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`slot_attention_reference` for rows of which several share a slot (a prefill): the rows of each slot
+    attend over one read of its keys, instead of a copy of them per row (quadratic in a prompt's length)."""
+    out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
+    for slot in dict.fromkeys(slot_ids):
+        rows = torch.tensor([r for r, s in enumerate(slot_ids) if s == slot], device=query.device)
+        row_lengths = lengths.index_select(0, rows)
+        span = int(row_lengths.max())
+        allowed = torch.arange(span, device=query.device)[None, :] < row_lengths[:, None]
+        keys, values = key_cache[slot, :span], value_cache[slot, :span]
+        attended = masked_attention(query.index_select(0, rows)[None], keys[None], values[None], allowed[None], scale)
+        out.index_copy_(0, rows, attended[0])
+    return out
 
 
 def slot_attention(

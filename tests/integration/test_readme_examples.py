@@ -1,4 +1,5 @@
-"""The README's client examples, run as a reader runs them, against the real server with the piper voice.
+"""The README's client examples, run as a reader runs them, against the real server as ``omnigate serve`` runs it
+(the hibari voice).
 
 Each example must produce audio as written, and with a mistyped voice print the server's ``unknown_voice`` error and
 stop with a non-zero status, not wait for the server to give up on the session.
@@ -61,24 +62,24 @@ def test_the_readme_has_each_example() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_the_example_writes_audio(name: str, piper_server: RunningServer, tmp_path: Path) -> None:
+def test_the_example_writes_audio(name: str, default_server: RunningServer, tmp_path: Path) -> None:
     if name == "curl" and shutil.which("curl") is None:
         pytest.skip("curl is not installed")
-    run = run_example(name, piper_server, tmp_path)
+    run = run_example(name, default_server, tmp_path)
     assert run.returncode == 0, run.stderr
     [written] = list(tmp_path.iterdir())
     assert written.stat().st_size > 5_000, "a second of speech or more (an error body is a few hundred bytes)"
     if name == "websocket":
-        assert run.stdout.strip() == "out.pcm: s16le mono at 22050 Hz"
+        assert run.stdout.strip() == "out.pcm: s16le mono at 24000 Hz"
     if name == "openai-sdk":
         assert run.stdout.strip() == "hello.pcm: audio/pcm;rate=24000"
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_the_example_prints_a_refusal_and_stops(name: str, piper_server: RunningServer, tmp_path: Path) -> None:
+def test_the_example_prints_a_refusal_and_stops(name: str, default_server: RunningServer, tmp_path: Path) -> None:
     if name == "curl" and shutil.which("curl") is None:
         pytest.skip("curl is not installed")
-    run = run_example(name, piper_server, tmp_path, voice="jeo")
+    run = run_example(name, default_server, tmp_path, voice="jeo")
     assert run.returncode != 0
-    assert "'jeo' is not served; available: joe" in run.stderr, run.stderr
+    assert "'jeo' is not served; available: heart" in run.stderr, run.stderr
     assert "config_timeout" not in run.stderr

