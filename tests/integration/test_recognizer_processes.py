@@ -49,7 +49,10 @@ async def exited(pidfd: int) -> None:
 
 
 @pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGKILL], ids=["drained", "killed"])
-async def test_the_recognizer_processes_end_with_the_server(tmp_path: Path, ending: signal.Signals) -> None:
+async def test_the_recognizer_processes_end_with_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: signal.Signals
+) -> None:
+    monkeypatch.setenv("OMNIGATE_EMBEDDED_AGENT", "1")  # (off in test servers; --llm-url keeps the LLM out)
     expected = min(8, os.cpu_count() or 1)  # one per core, at most the 8 decoders of the default
     async with server_process(tmp_path, 5.0, ["--llm-url", "http://127.0.0.1:9/v1"]) as server:
         loop = asyncio.get_running_loop()
