@@ -34,7 +34,8 @@ from typing import Any
 
 from omnigate.codecs.resample import StreamResampler
 from omnigate.engines.piper import PiperEngine
-from omnigate.engines.recognizer import DECODER_RATE, INPUT_RATE, EmbeddedRecognizer, PocketsphinxDecoder
+from omnigate.engines.recognizer import EmbeddedRecognizer
+from omnigate.engines.recognizer_worker import DECODER_RATE, INPUT_RATE, PocketsphinxDecoder
 from omnigate.loadtest.stats import distribution
 
 SENTENCES = (
@@ -48,6 +49,7 @@ SENTENCES = (
     "What time does the museum open on Sunday?",
 )
 CLOSING_SILENCE_S = 0.5
+LAG_TICK_S = 0.01
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,27 +125,41 @@ async def conversation(recognizer: EmbeddedRecognizer, turns: list[bytes], appen
     return delays
 
 
+async def loop_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """How late the event loop wakes a 10 ms timer (ms), until ``stop``: what every session's I/O waits at worst."""
+    while not stop.is_set():
+        due = time.perf_counter() + LAG_TICK_S
+        await asyncio.sleep(LAG_TICK_S)
+        lags.append(max(0.0, time.perf_counter() - due) * 1000.0)
+
+
 async def delays_at(streams: int, turns: list[bytes], append_ms: int) -> dict[str, Any]:
     recognizer = EmbeddedRecognizer(max_decoders=streams)
+    lags: list[float] = []
+    stop = asyncio.Event()
     try:
-        for _ in range(streams):
-            await asyncio.to_thread(recognizer.warm_up)
+        recognizer.start()
+        await recognizer.loaded()
         cpu_before = time.process_time()
         wall_before = time.perf_counter()
+        probe = asyncio.create_task(loop_lag(lags, stop))
         # Each conversation starts at another sentence, so the turns do not end at the same moment.
         results = await asyncio.gather(
             *(conversation(recognizer, turns[i:] + turns[:i], append_ms) for i in range(streams))
         )
+        stop.set()
+        await probe
         cpu = time.process_time() - cpu_before
         wall = time.perf_counter() - wall_before
     finally:
-        recognizer.close()
+        await recognizer.aclose()
     delays = [ms for result in results for ms in result]
     return {
         "streams": streams,
         "turns": len(delays),
         "transcription_delay_ms": as_dict(distribution(delays)),
-        "process_cpu_per_wall_s": round(cpu / wall, 3),
+        "event_loop_lag_ms": as_dict(distribution(lags)),
+        "gateway_process_cpu_per_wall_s": round(cpu / wall, 3),
     }
 
 
@@ -184,7 +200,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for streams in (int(n) for n in args.streams.split(",")):
         level = await delays_at(streams, turns, args.append_ms)
         delay = level["transcription_delay_ms"]
-        print(f"{streams} streams: transcription delay p50 {delay['p50']:.0f} ms p95 {delay['p95']:.0f} ms", flush=True)
+        lag = level["event_loop_lag_ms"]
+        print(
+            f"{streams} streams: transcription delay p50 {delay['p50']:.0f} ms p95 {delay['p95']:.0f} ms; "
+            f"event loop lag p50 {lag['p50']:.1f} ms p99 {lag['p99']:.1f} ms max {lag['max']:.0f} ms",
+            flush=True,
+        )
         levels.append(level)
     return {
         "benchmark": "embedded_asr",

@@ -1,75 +1,181 @@
-"""The embedded speech recognizer of ``/v1/realtime``: pocketsphinx decoders, each turn decoded as its audio comes.
+"""The embedded speech recognizer of ``/v1/realtime``: pocketsphinx decoders in recognizer processes, each turn decoded
+as its audio comes.
 
-A session hears its turn through a :class:`TurnListener`: the audio is handed over on the event loop as it arrives
-and decoded on a bounded pool of threads, one job per turn at a time and in order, so the transcript is ready soon
-after the turn ends. Decoders load once (about 0.7 s and 95 MB each) and are reused turn after turn.
+pocketsphinx holds the GIL while it decodes, so the decoders run in worker processes
+(:mod:`omnigate.engines.recognizer_worker`), by default one per core, each holding its share of ``max_decoders``.
+A session hears its turn through a :class:`TurnListener`: the turn is pinned to the process with the fewest turns
+for its life, and its audio is sent to it as it arrives, one message of the turn in flight at a time (what comes
+meanwhile waits in the listener, at most ``max_audio_s`` of it), so the transcript is ready soon after the turn ends.
 
-Limits: at most ``max_decoders`` turns are heard at once (the next is refused ``asr_busy``); a turn longer than
-``max_audio_s`` fails ``asr_audio_limit``; a decoder that raises fails its turn ``asr_error`` and is dropped; a turn
-whose transcript is not ready ``timeout_s`` after it ended fails ``asr_timeout`` (the session goes on), and its
-decoder keeps its place until its thread returns, so a hung decoder lowers capacity instead of adding threads.
+The processes start with the server and load their first decoder in the background (about 0.7 s and 95 MB each, the
+next ones when turns need them). A turn that comes before its process has loaded is not refused: its audio waits in
+the pipe and is decoded once the decoder is there. The processes take SIGKILL if the gateway dies (Linux), and end
+with :meth:`EmbeddedRecognizer.aclose`.
 
-pocketsphinx holds the GIL while it decodes, so audio goes to it in pieces of at most :data:`FEED_MS`: the event
-loop waits for one piece (a few milliseconds of CPU) at worst.
+Limits, each a typed failure of the turn: at most ``max_decoders`` turns are heard at once (the next is refused
+``asr_busy``); a turn longer than ``max_audio_s`` fails ``asr_audio_limit``; a decoder that raises fails its turn
+``asr_error`` and is dropped; a process that dies fails its turns ``asr_error`` at once and is started again (after a
+backoff; one that keeps dying right after its start is given up, and its turns go to the others); a turn whose
+transcript is not ready ``timeout_s`` after it ended fails ``asr_timeout``, and keeps its place until its process
+answers or dies, so a hung decoder lowers capacity instead of adding work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Protocol
+import logging
+import os
+import sys
+import time
 
-from omnigate.codecs.resample import StreamResampler
 from omnigate.engines.openai_compat.errors import ServiceError
-from omnigate.os_threads import named_executor
+from omnigate.engines.recognizer_wire import (
+    HEADER,
+    MAX_PIECE_BYTES,
+    Drop,
+    Failed,
+    Fed,
+    Hear,
+    Heard,
+    Loaded,
+    ToWorker,
+    body_length,
+    frame,
+    from_worker,
+)
+from omnigate.engines.recognizer_worker import INPUT_RATE, POCKETSPHINX
+from omnigate.gateway.cli.restart_policy import GiveUp, RestartPolicy, RestartTracker
+from omnigate.gateway.cli.supervisor import _die_with_parent
 
-INPUT_RATE = 24_000  # what sessions hear, mono s16le
-DECODER_RATE = 16_000  # the en-US acoustic model's
-FEED_MS = 100
-_FEED_BYTES = DECODER_RATE * 2 * FEED_MS // 1000
+log = logging.getLogger("omnigate.engines.recognizer")
+
+STOP_TIMEOUT_S = 5.0  # a process that has not ended this long after its stdin closed is killed
 
 
-class TurnDecoder(Protocol):
-    """Decodes one turn after another: :meth:`start` a turn, :meth:`feed` it 16 kHz mono s16le, :meth:`finish`."""
+class RecognizerProcess:
+    """One worker process and the turns pinned to it; started again when it dies. Used on the event loop only."""
+
+    def __init__(self, recognizer: EmbeddedRecognizer, index: int) -> None:
+        self.recognizer = recognizer
+        self.index = index
+        self.capacity = 0  # turns it hears at once (set by the recognizer)
+        self.turns: dict[int, TurnListener] = {}  # the turns holding a place here
+        self.loaded = asyncio.Event()
+        self.given_up = False
+        self._process: asyncio.subprocess.Process | None = None
+        self._backlog: list[bytes] = []  # frames for a process being (re)started: at most one per turn
+        self._restarts = RestartTracker(RestartPolicy())
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The running process's id (None while it is being started)."""
+        return self._process.pid if self._process is not None else None
 
     def start(self) -> None:
-        """Begin a turn (a turn still open is dropped)."""
+        self._task = asyncio.create_task(self._run(), name=f"omnigate-asr-{self.index}")
 
-    def feed(self, pcm: bytes) -> None: ...
+    def send(self, message: ToWorker) -> None:
+        data = frame(message)
+        if self._process is None or self._process.stdin is None:
+            self._backlog.append(data)
+        else:
+            self._process.stdin.write(data)  # buffered: each turn has one message in flight, so this is bounded
 
-    def finish(self) -> str:
-        """End the turn; its words."""
+    async def aclose(self) -> None:
+        self._closing = True
+        process = self._process
+        if process is not None and process.stdin is not None:
+            process.stdin.close()  # the worker ends at the end of its stdin
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_turns(ServiceError("asr", "unavailable", "the speech recognizer has stopped"))
 
+    async def _run(self) -> None:
+        """Run the process, and start it again each time it dies, until closed or given up."""
+        while not self._closing:
+            self._restarts.started(time.monotonic())
+            try:
+                status = await self._run_once()
+            except OSError as error:  # it could not be started (out of memory or processes): as if it died
+                log.error("speech recognizer process %d could not start: %s", self.index, error)
+                status = -1
+            if self._closing:
+                return
+            self._fail_turns(ServiceError("asr", "error", f"the speech recognizer process ended (status {status})"))
+            decision = self._restarts.exited(time.monotonic())
+            if isinstance(decision, GiveUp):
+                log.error("speech recognizer process %d keeps dying (status %d): given up", self.index, status)
+                self.given_up = True
+                return
+            log.warning("speech recognizer process %d ended (status %d); starting it again", self.index, status)
+            await asyncio.sleep(decision.after_s)
 
-class PocketsphinxDecoder:
-    """pocketsphinx with the en-US acoustic model, language model and dictionary its wheel ships."""
+    async def _run_once(self) -> int:
+        """Start the process, send it what waited, hand its answers to their turns until it ends; its status."""
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "omnigate.engines.recognizer_worker",
+            "--decoder",
+            self.recognizer.decoder,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the gateway, which stops its processes
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        assert process.stdin is not None and process.stdout is not None
+        self._process = process
+        for data in self._backlog:
+            process.stdin.write(data)
+        self._backlog.clear()
+        try:
+            await self._read(process.stdout)
+        finally:
+            self._process = None
+            self.loaded.clear()
+        return await process.wait()
 
-    def __init__(self) -> None:
-        from pocketsphinx import Decoder
+    async def _read(self, stdout: asyncio.StreamReader) -> None:
+        """Hand the process's answers to their turns until it closes its stdout (or says something that is not one:
+        then it is killed)."""
+        try:
+            while True:
+                header = await stdout.readexactly(HEADER.size)
+                answer = from_worker.decode(await stdout.readexactly(body_length(header)))
+                if isinstance(answer, Loaded):
+                    self.loaded.set()
+                    continue
+                listener = self.turns.get(answer.turn)
+                if listener is not None:
+                    listener.answered(answer)
+        except asyncio.IncompleteReadError:
+            return
+        except Exception as error:
+            log.error("speech recognizer process %d said something else: %s", self.index, error)
+            if self._process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._process.kill()
 
-        self._decoder = Decoder(loglevel="FATAL")
-        self._open = False
-
-    def start(self) -> None:
-        if self._open:
-            self._decoder.end_utt()
-        self._decoder.start_utt()
-        self._open = True
-
-    def feed(self, pcm: bytes) -> None:
-        self._decoder.process_raw(pcm, False, False)
-
-    def finish(self) -> str:
-        self._decoder.end_utt()
-        self._open = False
-        hypothesis = self._decoder.hyp()
-        return hypothesis.hypstr if hypothesis is not None else ""
+    def _fail_turns(self, error: ServiceError) -> None:
+        self._backlog.clear()  # (every frame in it belongs to one of these turns)
+        for listener in list(self.turns.values()):
+            listener.lost(error)
 
 
 class EmbeddedRecognizer:
-    """The decoders of a gateway process and the threads they decode on."""
+    """The recognizer processes of a gateway process and the places they hear turns in."""
 
     def __init__(
         self,
@@ -77,62 +183,81 @@ class EmbeddedRecognizer:
         max_decoders: int = 8,
         max_audio_s: float = 60.0,
         timeout_s: float = 15.0,
-        new_decoder: Callable[[], TurnDecoder] = PocketsphinxDecoder,
+        processes: int | None = None,
+        decoder: str = POCKETSPHINX,
     ) -> None:
-        if max_decoders < 1 or max_audio_s <= 0 or timeout_s <= 0:
-            raise ValueError("the recognizer's decoders, audio and timeout must be positive")
+        """``processes``: the worker processes (default: one per core, at most ``max_decoders``); ``decoder``: the
+        decoder class the workers load, ``module:name``."""
+        if max_decoders < 1 or max_audio_s <= 0 or timeout_s <= 0 or (processes is not None and processes < 1):
+            raise ValueError("the recognizer's decoders, processes, audio and timeout must be positive")
         self.max_decoders = max_decoders
         self.max_audio_s = max_audio_s
         self.timeout_s = timeout_s
-        self.new_decoder = new_decoder
-        # One job per listener at a time, so as many threads as decoders never queue one turn behind another.
-        self.executor = named_executor(max_decoders, "omnigate-asr")
-        self._idle: list[TurnDecoder] = []
-        self.listening = 0  # listeners holding a place, each with its decoder (or one being loaded)
+        self.decoder = decoder
+        count = min(max_decoders, processes or os.cpu_count() or 1)
+        self.processes = [RecognizerProcess(self, index) for index in range(count)]
+        for index, process in enumerate(self.processes):
+            # max_decoders shared out: the first processes take one more where it does not divide evenly
+            process.capacity = max_decoders // count + (index < max_decoders % count)
+        self._next_turn = 0
+        self._started = False
 
-    def warm_up(self) -> None:
-        """Load a decoder now, so the first turn does not wait for one. Blocking: call from a thread."""
-        self._idle.append(self.new_decoder())
+    @property
+    def listening(self) -> int:
+        """Turns holding a place."""
+        return sum(len(process.turns) for process in self.processes)
+
+    def start(self) -> None:
+        """Start the processes (each loads its first decoder in the background)."""
+        if not self._started:
+            self._started = True
+            for process in self.processes:
+                process.start()
+
+    async def loaded(self) -> None:
+        """Until every process has loaded its first decoder."""
+        await asyncio.gather(*(process.loaded.wait() for process in self.processes))
+
+    def pids(self) -> list[int]:
+        """The ids of the processes running now."""
+        return [process.pid for process in self.processes if process.pid is not None]
 
     def listen(self) -> TurnListener:
         """A listener for a new turn (on the event loop). Raises ServiceError ``asr_busy`` when all are taken."""
-        if self.listening >= self.max_decoders:
+        usable = [process for process in self.processes if not process.given_up]
+        if not self._started or not usable:
+            raise ServiceError("asr", "unavailable", "the speech recognizer is not running")
+        free = [process for process in usable if len(process.turns) < process.capacity]
+        if not free:
             raise ServiceError("asr", "busy", f"all {self.max_decoders} speech decoders are hearing other turns")
-        self.listening += 1
-        return TurnListener(self, self._idle.pop() if self._idle else None)
+        process = min(free, key=lambda p: len(p.turns))
+        self._next_turn += 1
+        return TurnListener(self, process, self._next_turn)
 
-    def close(self) -> None:
-        """Stop taking jobs (a job in progress finishes on its thread)."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-    def give_back(self, decoder: TurnDecoder | None) -> None:
-        """A listener's place is free again, with its decoder for the next turn (None: the decoder was dropped)."""
-        self.listening -= 1
-        if decoder is not None:
-            self._idle.append(decoder)
+    async def aclose(self) -> None:
+        """End the processes (their turns fail ``asr_unavailable``)."""
+        await asyncio.gather(*(process.aclose() for process in self.processes))
 
 
 class TurnListener:
     """One turn's decoding: :meth:`hear` its audio (24 kHz mono s16le) as it comes, then await :meth:`transcript`
     with the rest; or :meth:`cancel`. Used on the event loop only."""
 
-    def __init__(self, recognizer: EmbeddedRecognizer, decoder: TurnDecoder | None) -> None:
+    def __init__(self, recognizer: EmbeddedRecognizer, process: RecognizerProcess, turn: int) -> None:
         self._recognizer = recognizer
-        self._loop = asyncio.get_running_loop()
+        self._process = process
+        self._turn = turn
         self._max_bytes = int(recognizer.max_audio_s * INPUT_RATE) * 2
         self._bytes = 0
-        self._pending = bytearray()  # heard, not yet handed to a job
-        self._job: Future[str | None] | None = None
+        self._pending = bytearray()  # heard, not yet sent
+        self._in_flight = False  # a Hear the process has not answered
+        self._sent = False  # the process has (or had) this turn open
         self._ending = False
-        self._abandoned = False  # cancelled, failed or timed out: the decoder goes back once no job runs
-        self._given_back = False
+        self._abandoned = False  # cancelled, failed or timed out: the place goes back once nothing is in flight
         self._done = asyncio.Event()
         self._text = ""
         self._error: ServiceError | None = None
-        # Touched only by the job in flight (one at a time):
-        self._decoder = decoder
-        self._started = False
-        self._resampler = StreamResampler(INPUT_RATE, DECODER_RATE)
+        process.turns[turn] = self
 
     def hear(self, pcm: bytes) -> None:
         """More of the turn's audio."""
@@ -145,8 +270,8 @@ class TurnListener:
             )
             return
         self._pending += pcm
-        if self._job is None:
-            self._next_job()
+        if not self._in_flight:
+            self._send_next()
 
     async def transcript(self, pcm: bytes = b"") -> str:
         """The rest of the turn's audio, then its words. Raises ServiceError; cancels the listener when the caller
@@ -154,8 +279,8 @@ class TurnListener:
         self.hear(pcm)
         if not self._abandoned:
             self._ending = True
-            if self._job is None:
-                self._next_job()
+            if not self._in_flight:
+                self._send_next()
         try:
             async with asyncio.timeout(self._recognizer.timeout_s):
                 await self._done.wait()
@@ -164,79 +289,53 @@ class TurnListener:
                 ServiceError("asr", "timeout", f"no transcript {self._recognizer.timeout_s:g} s after the turn ended")
             )
         finally:
-            self.cancel()  # (a listener whose turn ended gave its decoder back already)
+            self.cancel()  # (a listener whose turn ended gave its place back already)
         if self._error is not None:
             raise self._error
         return self._text
 
     def cancel(self) -> None:
-        """Nothing more of this turn is wanted; the decoder goes back once its job returns."""
+        """Nothing more of this turn is wanted; its place goes back once its process answered what is in flight."""
         self._abandoned = True
         self._pending.clear()
-        if self._job is None:
-            self._give_back(self._decoder)
+        if not self._in_flight:
+            self._give_back()
 
-    # ---- jobs ---------------------------------------------------------------------------------------------------
+    # ---- the process's side -------------------------------------------------------------------------------------
 
-    def _next_job(self) -> None:
+    def answered(self, answer: Fed | Heard | Failed) -> None:
+        """The process's answer to this turn's message in flight."""
+        self._in_flight = False
+        if isinstance(answer, Failed):
+            self._sent = False  # the worker dropped the turn with its decoder
+            self._fail(ServiceError("asr", "error", f"the speech recognizer failed: {answer.message}"))
+        elif isinstance(answer, Heard):
+            self._sent = False
+            if not self._done.is_set():
+                self._text = answer.text
+                self._abandoned = True
+                self._done.set()
+            self._give_back()
+        elif self._abandoned:
+            self._give_back()
+        else:
+            self._send_next()
+
+    def lost(self, error: ServiceError) -> None:
+        """The process is gone, and this turn with it."""
+        self._in_flight = False
+        self._sent = False
+        self._fail(error)
+        self._give_back()
+
+    def _send_next(self) -> None:
         if not self._pending and not self._ending:
             return
-        pcm = bytes(self._pending)
-        self._pending.clear()
-        try:
-            job = self._recognizer.executor.submit(self._decode, pcm, self._ending)
-        except RuntimeError:  # the pool is shut down: the server is stopping
-            self._fail(ServiceError("asr", "unavailable", "the speech recognizer has stopped"))
-            return
-        self._job = job
-        job.add_done_callback(self._job_returned)
-
-    def _decode(self, pcm: bytes, end: bool) -> str | None:
-        """On a worker thread: decode ``pcm``; at the end of the turn, its words."""
-        if self._decoder is None:
-            self._decoder = self._recognizer.new_decoder()
-        decoder = self._decoder
-        if not self._started:
-            decoder.start()
-            self._started = True
-        pcm = self._resampler.process(pcm)
-        if end:
-            pcm += self._resampler.flush()
-        for offset in range(0, len(pcm), _FEED_BYTES):
-            decoder.feed(pcm[offset : offset + _FEED_BYTES])
-        if not end:
-            return None
-        self._started = False
-        return decoder.finish()
-
-    def _job_returned(self, job: Future[str | None]) -> None:
-        # On the worker's thread: go on on the loop, unless the loop is gone (shutdown).
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._job_done, job)
-
-    def _job_done(self, job: Future[str | None]) -> None:
-        self._job = None
-        if job.cancelled():
-            self._fail(ServiceError("asr", "unavailable", "the speech recognizer has stopped"))
-            self._give_back(self._decoder)
-            return
-        error = job.exception()
-        if error is not None:
-            self._decoder = None  # its state is unknown: it is not reused
-            self._fail(ServiceError("asr", "error", f"the speech recognizer failed: {error}"))
-            self._give_back(None)
-            return
-        if self._abandoned:
-            self._give_back(self._decoder)
-            return
-        text = job.result()
-        if text is None:
-            self._next_job()
-            return
-        self._text = text
-        self._abandoned = True
-        self._done.set()
-        self._give_back(self._decoder)
+        pcm = bytes(self._pending[:MAX_PIECE_BYTES])
+        del self._pending[:MAX_PIECE_BYTES]
+        self._process.send(Hear(self._turn, pcm, end=self._ending and not self._pending))
+        self._in_flight = True
+        self._sent = True
 
     def _fail(self, error: ServiceError) -> None:
         if self._done.is_set():
@@ -245,10 +344,12 @@ class TurnListener:
         self._abandoned = True
         self._pending.clear()
         self._done.set()
-        if self._job is None:
-            self._give_back(self._decoder)
+        if not self._in_flight:
+            self._give_back()
 
-    def _give_back(self, decoder: TurnDecoder | None) -> None:
-        if not self._given_back:
-            self._given_back = True
-            self._recognizer.give_back(decoder)
+    def _give_back(self) -> None:
+        if self._process.turns.pop(self._turn, None) is None:
+            return
+        if self._sent:  # the process holds the turn open: its decoder goes back to the process's idle ones
+            self._process.send(Drop(self._turn))
+            self._sent = False

@@ -93,7 +93,7 @@ class ResponderClients:
 
     async def aclose(self) -> None:
         if self.recognizer is not None:
-            self.recognizer.close()
+            await self.recognizer.aclose()
         await self.http.aclose()
         if self.llm is not None:
             await asyncio.to_thread(self.llm.stop)

@@ -196,6 +196,10 @@ async def start_realtime(
         service = RealtimeService(settings, pool, cast(DuplexEngineApi, engine), owns_duplex=True, reports=reports)
     recognizer = service.responder.recognizer if service.responder is not None else None
     if recognizer is not None:
-        await asyncio.to_thread(recognizer.warm_up)  # the first spoken turn does not wait for a decoder to load
-        log.info("embedded speech recognizer ready: pocketsphinx en-US, %d turns at once", recognizer.max_decoders)
+        recognizer.start()  # the processes load their first decoders in the background
+        log.info(
+            "embedded speech recognizer started: pocketsphinx en-US, %d turns at once in %d processes",
+            recognizer.max_decoders,
+            len(recognizer.processes),
+        )
     return service
