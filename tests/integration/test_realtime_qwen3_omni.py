@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
+from omnigate.engines.piper import PiperEngine
 from omnigate.gateway.settings import Settings
+from tests.integration.test_realtime_answer import say, utterance
 from tests.integration.test_realtime_ws import pcm_of, realtime, recv, until
 from tests.serving import RunningServer, serve
 
@@ -73,6 +75,21 @@ async def test_a_spoken_and_a_text_turn_are_answered_in_the_models_voice(omni_se
         assert done["status"] in ("completed", "incomplete"), done
         assert pcm_of(events, done["id"]) and transcript(events)
         assert not [e for e in events if e["type"] == "error"]
+
+
+async def test_a_turn_server_vad_ends_is_answered_without_response_create(
+    omni_server: RunningServer, piper_engine: PiperEngine
+) -> None:
+    async with realtime(omni_server) as connection:
+        created = await recv(connection)
+        assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        await connection.session.update(session={"type": "realtime", "max_output_tokens": 6})
+        assert (await recv(connection))["type"] == "session.updated"
+        await say(connection, utterance(piper_engine, "What is the weather like today?"))
+        events, done = await answered(connection)
+        kinds = [e["type"] for e in events]
+        assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("response.created")
+        assert done["status"] in ("completed", "incomplete") and pcm_of(events, done["id"]) and transcript(events)
 
 
 async def test_cancel_mid_answer_stops_it_and_the_next_answer_runs(omni_server: RunningServer) -> None:
