@@ -52,8 +52,12 @@ async def test_a_spoken_and_a_text_turn_are_answered_in_the_models_voice(omni_se
     async with realtime(omni_server) as connection:
         created = await recv(connection)
         assert created["session"]["capabilities"]["engine"] == "qwen3-omni"
-        await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
-        assert (await recv(connection))["type"] == "session.updated"
+        assert created["session"]["audio"]["output"]["voice"] == "ethan"
+        # OpenAI's voice names are aliases of the model's speakers.
+        audio = {"input": {"turn_detection": None}, "output": {"voice": "alloy"}}
+        await connection.session.update(session={"type": "realtime", "audio": audio})
+        updated = await recv(connection)
+        assert updated["session"]["audio"]["output"]["voice"] in ("aiden", "chelsie", "ethan")
         # A spoken turn: appended, committed, then answered.
         await connection.input_audio_buffer.append(audio=base64.b64encode(speech(0.5)).decode())
         await connection.input_audio_buffer.commit()
