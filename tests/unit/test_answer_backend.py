@@ -66,6 +66,14 @@ class Sink:
         self.audio: list[bytes] = []
         self.finished: list[tuple[ResponseStatus, str | None, tuple[str, str] | None]] = []
         self.done = asyncio.Event()
+        self.room = asyncio.Event()  # the outbox has room for audio
+        self.room.set()
+        self.waiting = asyncio.Event()  # the backend waits for room
+
+    async def wait_for_room(self) -> None:
+        if not self.room.is_set():
+            self.waiting.set()
+        await self.room.wait()
 
     def response_text(self, response: Response, text: str, tokens: int) -> None:
         self.text.append(text)
@@ -112,6 +120,7 @@ async def test_a_spoken_turn_is_encoded_once_and_answered_with_the_conversation(
     answer.text("hi")
     answer.audio(b"\x00\x00" * 4, 24000)
     answer.end("stop", None, None)
+    await asyncio.wait_for(sink.done.wait(), 5)
     assert sink.text == ["hi"] and sink.audio == [b"\x00\x00" * 4] and sink.finished == [("completed", None, None)]
     engine.asked_event.clear()
     said = Item(id="item_2", role="assistant", status="completed", content=[Part("output_audio", transcript="hi")])
@@ -151,6 +160,7 @@ async def test_how_an_answer_ends_its_response(reason: str, code: str | None, fi
     backend.answer(response("resp_1"), SETTINGS, [])
     await asyncio.wait_for(engine.asked_event.wait(), 5)
     engine.asked[0][1].end(reason, code, "too long" if code else None)
+    await asyncio.wait_for(sink.done.wait(), 5)
     assert sink.finished == [finished]
 
 
@@ -166,3 +176,43 @@ async def test_cancel_stops_the_engine_turn_and_drops_what_it_still_delivers() -
     answer.text("late")
     answer.end("stop", None, None)
     assert sink.text == [] and sink.finished == []  # the session core ends a cancelled response itself
+
+
+async def test_audio_waits_for_outbox_room_in_order_and_a_cancel_drops_what_waits() -> None:
+    engine = Engine()
+    backend, sink = await started(engine)
+    first = response("resp_1")
+    backend.answer(first, SETTINGS, [])
+    await asyncio.wait_for(engine.asked_event.wait(), 5)
+    [(_, answer, handle)] = engine.asked
+    sink.room.clear()
+    answer.text("a")
+    answer.audio(b"\x01\x00", 24000)
+    answer.text("b")
+    answer.end("stop", None, None)
+    await asyncio.wait_for(sink.waiting.wait(), 5)
+    assert sink.text == ["a"] and sink.audio == [] and sink.finished == []  # held behind the audio, in order
+    sink.room.set()
+    await asyncio.wait_for(sink.done.wait(), 5)
+    assert sink.text == ["a", "b"] and sink.audio == [b"\x01\x00"] and sink.finished == [("completed", None, None)]
+    # A cancelled answer's held outputs never reach the session.
+    second = response("resp_2")
+    engine.asked_event.clear()
+    backend.answer(second, SETTINGS, [])
+    await asyncio.wait_for(engine.asked_event.wait(), 5)
+    answer, handle = engine.asked[1][1], engine.asked[1][2]
+    sink.room.clear()
+    sink.waiting.clear()
+    answer.audio(b"\x02\x00", 24000)
+    answer.text("c")
+    await asyncio.wait_for(sink.waiting.wait(), 5)
+    backend.cancel(second)
+    sink.room.set()
+    engine.asked_event.clear()
+    sink.done.clear()
+    backend.answer(response("resp_3"), SETTINGS, [])
+    await asyncio.wait_for(engine.asked_event.wait(), 5)
+    engine.asked[2][1].end("stop", None, None)
+    await asyncio.wait_for(sink.done.wait(), 5)  # the loop ran the relay past the cancel
+    assert handle.cancelled and sink.audio == [b"\x01\x00"] and sink.text == ["a", "b"]
+    assert sink.finished == [("completed", None, None)] * 2

@@ -2,15 +2,19 @@
 
 Each committed user turn's audio is kept (by item) and encoded into the model's audio tokens when a response needs
 it, on a thread; ``response.create`` (or a turn server VAD ended) hands the conversation to the engine, whose text
-comes back as the response's transcript and whose voice as its audio. Cancelling a response (``response.cancel``,
-barge-in, a failed outbox) cancels the engine's turn at once; truncation is the session core's, against the audio
-handed to the transport.
+comes back as the response's transcript and whose voice as its audio (at the engine's rate). The engine makes an
+answer faster than it plays: what the session's outbox has no room for waits here, in order (bounded by the
+answer's frames), and goes on as the transport takes audio, so a client that plays in real time (a WebRTC track)
+is not overrun. Cancelling a response (``response.cancel``, barge-in, a failed outbox) cancels the engine's turn at
+once and drops what waits; truncation is the session core's, against the audio handed to the transport.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 
@@ -29,6 +33,16 @@ MAX_ANSWER_TOKENS = 512  # an answer's text tokens when the response sets no max
 FRAMES_PER_TOKEN = 8
 
 
+@dataclass(frozen=True)
+class _End:
+    reason: str
+    code: str | None
+    message: str | None
+
+
+_Output = str | bytes | _End  # transcript text, 24 kHz audio, the end
+
+
 class ModelAnswerBackend(Backend):
     """One realtime session on an :class:`AnsweringEngine`: at most one answer in flight."""
 
@@ -45,6 +59,8 @@ class ModelAnswerBackend(Backend):
         self._response: Response | None = None
         self._task: asyncio.Task[None] | None = None
         self._handle: AnswerHandle | None = None
+        self._held: deque[tuple[Response, _Output]] = deque()  # the answer's outputs not yet handed to the session
+        self._relay: asyncio.Task[None] | None = None
 
     def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
         self._sink = sink
@@ -133,9 +149,44 @@ class ModelAnswerBackend(Backend):
         if self._sink is not None and response is not None:
             self._sink.finish_response(response, "failed", error=("server_error", "the answer failed in the server"))
 
-    def ended(self, response: Response, reason: str, code: str | None, message: str | None) -> None:
+    def hold(self, response: Response, output: _Output) -> None:
+        """An output of ``response``'s answer, handed on in order as the outbox has room."""
         if response is not self._response:
             return
+        self._held.append((response, output))
+        if self._relay is None:
+            self._relay = asyncio.get_running_loop().create_task(self._hand_on(), name=f"realtime-relay-{response.id}")
+            self._relay.add_done_callback(self._relay_ended)
+
+    async def _hand_on(self) -> None:
+        while self._held:
+            response, output = self._held[0]
+            sink = self._sink
+            if sink is None:
+                return
+            if isinstance(output, bytes):
+                await sink.wait_for_room()
+                if not self._held or self._held[0][1] is not output:  # cancelled while waiting
+                    continue
+            self._held.popleft()
+            if response is not self._response:
+                continue
+            if isinstance(output, str):
+                sink.response_text(response, output, 1)
+            elif isinstance(output, bytes):
+                sink.response_audio(response, output, self.sample_rate)
+            else:
+                self._ended(response, output.reason, output.code, output.message)
+
+    def _relay_ended(self, task: asyncio.Task[None]) -> None:
+        if task is self._relay:
+            self._relay = None
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("a realtime answer's relay failed", exc_info=error)
+            if self._sink is not None:
+                self._sink.fail("server_error", "the answer's delivery failed in the server")
+
+    def _ended(self, response: Response, reason: str, code: str | None, message: str | None) -> None:
         self._response = None
         self._handle = None
         sink = self._sink
@@ -158,6 +209,10 @@ class ModelAnswerBackend(Backend):
 
     def _stop(self) -> None:
         self._response = None
+        self._held.clear()
+        if self._relay is not None:
+            self._relay.cancel()
+            self._relay = None
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -189,14 +244,10 @@ class _Answer:
         self._response = response
 
     def text(self, delta: str) -> None:
-        sink = self._backend._sink
-        if sink is not None and self._response is self._backend._response:
-            sink.response_text(self._response, delta, 1)
+        self._backend.hold(self._response, delta)
 
     def audio(self, pcm: bytes, sample_rate: int) -> None:
-        sink = self._backend._sink
-        if sink is not None and self._response is self._backend._response:
-            sink.response_audio(self._response, pcm, sample_rate)
+        self._backend.hold(self._response, pcm)
 
     def end(self, reason: str, code: str | None, message: str | None) -> None:
-        self._backend.ended(self._response, reason, code, message)
+        self._backend.hold(self._response, _End(reason, code, message))
