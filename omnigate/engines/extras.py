@@ -26,6 +26,7 @@ STACKS: dict[str, EngineStack] = {
     "piper": EngineStack("piper", ("piper", "onnxruntime")),
     "talker": EngineStack("models", ("torch", "transformers")),
     "duplex": EngineStack("models", ("torch", "transformers")),
+    "qwen3-omni": EngineStack("models", ("torch", "transformers")),
     "video": EngineStack("models", ("torch", "transformers", "diffusers")),
     "omni": EngineStack("models", ("torch", "transformers", "PIL")),
     "policy": EngineStack("models", ("torch", "transformers", "safetensors")),

@@ -47,12 +47,19 @@ def _load_duplex(model: str | None, **options: Any) -> Engine:
     return DuplexEngine.load(model, **options)
 
 
+def _load_qwen3_omni(model: str | None, **options: Any) -> Engine:
+    from omnigate.engines.qwen3_omni.serving import Qwen3OmniServing
+
+    return Qwen3OmniServing.load(model, **options)
+
+
 LOADERS: dict[str, EngineLoader] = {
     "hibari": _load_hibari,
     "piper": _load_piper,
     "synthetic": _load_synthetic,
     "talker": _load_talker,
     "duplex": _load_duplex,
+    "qwen3-omni": _load_qwen3_omni,
 }
 
 DEFAULT_ENGINE = "hibari"

@@ -70,3 +70,15 @@ def test_engines_loaded_in_each_gateway_process_keep_one_worker(monkeypatch: pyt
     with pytest.raises(ValueError, match=r"--omni-model.*--workers 1"):
         serve.gateway_workers(Settings(engine="talker", omni_model="preset:tiny", workers=4), "core")
     assert serve.gateway_workers(Settings(engine="talker"), "core") == 4
+
+
+def test_the_qwen3_omni_engine_runs_in_one_gateway_process_and_answers_without_an_llm() -> None:
+    assert serve.engine_process(Settings(engine="qwen3-omni", engine_options={"device": "cuda"})) == "inline"
+    for refused in (Settings(engine="qwen3-omni", workers=2), Settings(engine="qwen3-omni", engine_process="core")):
+        with pytest.raises(ValueError, match="--engine qwen3-omni runs in the gateway process"):
+            serve.engine_process(refused)
+    parser = serve.build_parser()
+    argv = ["serve", "--engine", "qwen3-omni", "--model", "preset:tiny"]
+    assert serve.settings_from_args(parser.parse_args(argv)).responder is None  # no embedded LLM or recognizer
+    with pytest.raises(ValueError, match="no --llm-url"):
+        serve.responder_settings(parser.parse_args([*argv, "--llm-url", "http://127.0.0.1:9/v1"]))

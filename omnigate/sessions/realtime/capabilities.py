@@ -32,6 +32,8 @@ class RealtimeCapabilities(msgspec.Struct, frozen=True):
     audio_truncate: bool = True
     input_transcription: bool = False
     tools: bool = False
+    answers_turns: bool = False
+    """The engine answers the conversation itself (its items and the user's committed audio), in its own voice."""
     voice_aliases: tuple[str, ...] = ()
     """OpenAI's voice names that stand for served voices (named when an unknown voice is refused)."""
 

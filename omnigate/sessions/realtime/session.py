@@ -198,6 +198,12 @@ class EngineSide(Protocol):
     def released_audio(self, ms: float) -> None:
         """``ms`` of queued output audio left the outbox (sent or purged): room for more."""
 
+    def turn_audio(self, item_id: str, pcm: bytes) -> None:
+        """The user's committed turn ``item_id`` as audio (engines that answer the conversation themselves)."""
+
+    def answer(self, response: Response, settings: ResponseSettings, conversation: list[Item]) -> None:
+        """Answer ``conversation`` as ``response`` (engines that answer the conversation themselves)."""
+
 
 def _nothing(request: SessionRequest) -> None:
     pass
@@ -223,8 +229,8 @@ class RealtimeSession:
     ) -> None:
         self.engine = engine
         caps = engine.capabilities
-        if caps.native_duplex:
-            responder = None  # a duplex model answers by itself
+        if caps.native_duplex or caps.answers_turns:
+            responder = None  # the model answers by itself
         if responder is not None:
             # The LLM writes the reply, so a response may also be text alone.
             caps = msgspec.structs.replace(
@@ -492,7 +498,8 @@ class RealtimeSession:
                 event_id,
             )
             return
-        if self.responder is not None and self.responder.transcription and not self.caps.native_duplex:
+        keeps_turns = self.caps.answers_turns or (self.responder is not None and self.responder.transcription)
+        if keeps_turns and not self.caps.native_duplex:
             self._turn_audio.add(pcm)
             if self._streaming and self._detector is None:
                 self._hear(self._turn_audio.take_all())  # without a detector all audio is the turn's
@@ -519,6 +526,8 @@ class RealtimeSession:
         self._emit(ItemDone(event_id=self._event_id(), item=wire_item(item), previous_item_id=previous))
         if self.answering is not None:
             self.answering.turn_committed(item, pcm, now, heard)
+        if self.caps.answers_turns:
+            self.engine.turn_audio(item_id, pcm)
 
     def _on_item_create(self, event: ConversationItemCreate) -> None:
         if not self.caps.speaks_text_items:
@@ -545,6 +554,14 @@ class RealtimeSession:
             )
         settings = response_settings(self.config, event.response, self.caps, self._resolve_voice)
         inline = event.response.input if event.response is not None else None
+        if self.caps.answers_turns:
+            if inline is not None:
+                raise ConfigRefused(
+                    "unsupported", "the model answers the conversation itself: response.input is not served",
+                    "response.input",
+                )  # fmt: skip
+            self._answer(settings)
+            return
         if self.answering is not None and inline is None:
             self.answering.answer_now(settings, event.response, now)
             return
@@ -570,6 +587,11 @@ class RealtimeSession:
         self.engine.open_speech(response, settings)
         self.engine.add_speech(response, text)
         self.engine.close_speech(response)
+
+    def _answer(self, settings: ResponseSettings) -> None:
+        """The engine answers the conversation (the response's own item is in it, still empty)."""
+        response = self.begin_response(settings)
+        self.engine.answer(response, settings, list(self.conversation))
 
     def _inline_text(self, spec: ItemSpec) -> str:
         if spec.type == "item_reference":
@@ -922,6 +944,9 @@ class RealtimeSession:
         item_id = self._user_item_id or self._ids("item")
         self._emit(SpeechStopped(event_id=self._event_id(), audio_end_ms=audio_end_ms, item_id=item_id))
         self._commit_turn(item_id, self._turn_audio.take_until(audio_end_ms), now)
+        td = self.config.turn_detection
+        if self.caps.answers_turns and td is not None and td.create_response and self._active is None:
+            self._answer(server_response_settings(self.config))
 
     def _hear(self, pcm: bytes) -> None:
         if pcm:

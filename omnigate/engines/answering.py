@@ -1,0 +1,51 @@
+"""The session API of an engine that answers a conversation itself, text and voice (``--engine qwen3-omni``).
+
+Kept free of model imports so that the gateway's realtime backend (:mod:`omnigate.gateway.realtime.answer_backend`)
+types against it without loading torch; :class:`omnigate.engines.qwen3_omni.serving.Qwen3OmniServing` implements it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from omnigate.engines.base import EngineInfo
+
+# One conversation turn: (role, text, the audio tokens of the user's speech or None).
+PromptTurn = tuple[str, str, Any]
+
+
+class AnswerSink(Protocol):
+    """Where one answer's outputs go, on the event loop of the caller of :meth:`AnsweringEngine.answer`."""
+
+    def text(self, delta: str) -> None: ...
+
+    def audio(self, pcm: bytes, sample_rate: int) -> None:
+        """Mono s16le at ``sample_rate``."""
+
+    def end(self, reason: str, code: str | None, message: str | None) -> None:
+        """Exactly once, last: ``reason`` stop, length, max_context or error (then ``code`` and ``message``)."""
+
+
+class AnswerHandle(Protocol):
+    def cancel(self) -> None:
+        """Stop the answer at once: nothing more of it reaches its sink."""
+
+
+class AnsweringEngine(Protocol):
+    info: EngineInfo
+
+    def encode_audio(self, pcm: bytes) -> Any:
+        """Audio tokens of a user turn's 24 kHz s16le speech. Blocking: call it off the event loop."""
+
+    def answer(
+        self,
+        turns: Sequence[PromptTurn],
+        sink: AnswerSink,
+        *,
+        instructions: str,
+        speaker: str,
+        max_tokens: int,
+        max_frames: int,
+    ) -> AnswerHandle:
+        """Start answering; raises :class:`~omnigate.engines.base.EngineError` (``engine_busy``, ...)."""
