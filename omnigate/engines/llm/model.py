@@ -141,7 +141,9 @@ def load_prepared(load_source: Callable[[], tuple[Any, Any]], cache: WeightsCach
     if entry is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(entry))
-            return AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32), tokenizer
+            causal_lm = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
+            log.info("the prepared %s is read from %s", cache.entry.name, entry)
+            return causal_lm, tokenizer
         except Exception:  # files intact as written that this transformers cannot read
             log.warning("the cached %s could not be loaded: it is prepared again", cache.entry.name, exc_info=True)
     causal_lm, tokenizer = load_source()
