@@ -7,6 +7,9 @@ memory (a real ``tokenizers`` tokenizer, saved and loaded as ``tokenizer.json``)
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +114,19 @@ def test_a_failed_write_leaves_no_entry_and_no_temporary_folder(tmp_path: Path) 
         cache.write(KEY, save)
     assert list(cache.folder.iterdir()) == []
     assert cache.read(KEY) is None
+
+
+def test_the_temporary_folder_of_a_write_whose_process_died_is_removed_by_the_next_write(tmp_path: Path) -> None:
+    cache = WeightsCache(tmp_path, "tiny.gguf")
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cache.folder.mkdir(parents=True)
+    died = cache.folder / f".tmp-tiny.gguf-{int(ended.stdout)}-0123abcd"
+    died.mkdir()
+    (died / "model.safetensors").write_bytes(b"half of it")
+    writing = cache.folder / f".tmp-tiny.gguf-{os.getpid()}-4567ef01"  # a write in progress in a live process
+    writing.mkdir()
+    cache.write(KEY, lambda folder: (folder / "weights").write_bytes(b"x"))
+    assert sorted(p.name for p in cache.folder.iterdir()) == [writing.name, "tiny.gguf"]
 
 
 def test_the_cache_location_is_configurable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _PACKAGES = ("torch", "transformers", "gguf", "safetensors")
 _HASH_CHUNK = 1 << 20
-# A temporary folder this old is a write that died (a write takes seconds): it is removed.
+# A temporary folder this old is a write that died (a write takes seconds), even if its process id is alive again.
 _ABANDONED_S = 3600.0
 
 SourceKey = dict[str, str | int]
@@ -117,7 +117,7 @@ class WeightsCache:
         replaces any entry of this weights file. Its folder."""
         self.folder.mkdir(parents=True, exist_ok=True)
         self._remove_abandoned()
-        temporary = self.folder / f".tmp-{self._name}-{secrets.token_hex(4)}"
+        temporary = self.folder / f".tmp-{self._name}-{os.getpid()}-{secrets.token_hex(4)}"
         temporary.mkdir()
         try:
             save(temporary)
@@ -134,9 +134,24 @@ class WeightsCache:
         return self.entry
 
     def _remove_abandoned(self) -> None:
+        """Remove retired entries and the temporary folders of writes that died with their process (a server
+        stopped while it was writing), so those never pile up."""
         now = time.time()
         for path in self.folder.iterdir():
             retired = path.name.startswith(f".old-{self._name}-")
-            abandoned = path.name.startswith(f".tmp-{self._name}-") and now - path.stat().st_mtime > _ABANDONED_S
+            abandoned = path.name.startswith(f".tmp-{self._name}-") and (
+                not _process_alive(path.name.removeprefix(f".tmp-{self._name}-").split("-")[0])
+                or now - path.stat().st_mtime > _ABANDONED_S
+            )
             if retired or abandoned:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
