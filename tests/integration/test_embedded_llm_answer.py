@@ -43,9 +43,11 @@ def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     The first response may wait for the model's load (tens of seconds on a busy machine): the session's idle
     timeout and the first-token limit are set above that."""
     port = free_port()
-    env = {**os.environ, "OMNIGATE_EMBEDDED_AGENT": "1"}
+    folder = tmp_path_factory.mktemp("embedded")
+    # The model's prepared weights are cached in the test's own folder, not the user's cache.
+    env = {**os.environ, "OMNIGATE_EMBEDDED_AGENT": "1", "OMNIGATE_CACHE_DIR": str(folder / "cache")}
     command = [sys.executable, "-m", "omnigate.gateway.cli", "serve", "--port", str(port)]
-    log = tmp_path_factory.mktemp("embedded") / "serve.log"
+    log = folder / "serve.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
             [*command, "--llm-first-token-timeout", "300", "--idle-timeout", "600"],

