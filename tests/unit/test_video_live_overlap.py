@@ -27,7 +27,8 @@ STEPS = 4  # the tiny preset's default: 4 denoising forwards and one cache forwa
 
 
 def live_engine(**options: str) -> LiveVideoEngine:
-    engine = VideoEngine.load("preset:tiny-causal", max_live_seconds="5", **options)
+    """The tiny live engine, decoding on its decode thread unless the options say otherwise."""
+    engine = VideoEngine.load("preset:tiny-causal", max_live_seconds="5", **{"overlap_decode": "true", **options})
     assert isinstance(engine, LiveVideoEngine)
     return engine
 

@@ -7,12 +7,13 @@ timestep 0 writes the clean chunk into the cache (Self-Forcing's order), whose r
 chunks. The forwards of all streams that have one to run, at the same size and cache length (every stream once its
 window is full), go through the transformer as one batch, whatever step each is at.
 
-The VAE decode of a clean chunk runs on a decode thread (with its own CUDA stream on a GPU) while the worker goes
-on with the chunk's cache forward and the next chunk's steps: a chunk costs the longer of the two, not their sum.
+By default each clean chunk is decoded on the worker, in line. With ``overlap_decode=true`` the VAE decode of a clean
+chunk runs on a decode thread (with its own CUDA stream on a GPU) while the worker goes on with the chunk's cache
+forward and the next chunk's steps: a chunk costs the longer of the two where they do not share the device's compute
+(on the H200 they do, and the serial path is faster).
 Each stream has at most one chunk handed to the decode thread and not yet out, so the hand-over is bounded; the
 decode thread decodes the handed chunks of several streams in one batched VAE call where their shapes match.
-``overlap_decode=false`` decodes on the worker, in line (the serial path; a single stream's frames are the same
-bit for bit either way).
+A single stream's frames are the same bit for bit either way.
 
 A live stream's prompt can change while it runs (:meth:`LiveJob.set_prompt`): it applies from the stream's next
 denoising step, also mid-chunk, and a clean chunk still waiting for the VAE runs its last step again under it (the

@@ -60,8 +60,10 @@ class VideoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_frame_pixels: Annotated[int, msgspec.Meta(ge=1)] = 832 * 480  # width * height of a live stream
     max_live_seconds: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # of video per live stream; then it ends typed
     cache_frames: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 12  # latent frames of past chunks kept (the window)
-    # decode each clean chunk on a second thread while the next chunk denoises (False: in line, on the worker)
-    overlap_decode: bool = True
+    # decode each clean chunk on a second thread while the next chunk denoises (False: in line, on the worker). Off by
+    # default: on the H200 the denoising forwards already fill the GPU, so the overlapped VAE only slowed them (one
+    # stream 15.2 fps against 15.9, first fragment 0.62 s against 0.49 s: docs/benchmarks/video_live.md)
+    overlap_decode: bool = False
     # bytes of KV caches all streams may hold together (None: 80 % of the free device memory at start; 4 GiB on CPU)
     cache_budget_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
     causal_base: str = "preset:wan-1.3b-causal"  # shapes, text encoder and VAE for a Self-Forcing checkpoint file

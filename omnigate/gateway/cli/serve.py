@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="video engine option, repeatable (for example device=cuda, dtype=bfloat16, max_sessions=2, "
         "max_frames_in_flight=16, max_video_pixels=32348160, vae_tile=256; live: max_live_seconds=600, "
-        "cache_frames=12, max_chunk_frames=4, max_chunk_steps=8, max_frame_pixels=399360, overlap_decode=true)",
+        "cache_frames=12, max_chunk_frames=4, max_chunk_steps=8, max_frame_pixels=399360, overlap_decode=false)",
     )
     robot = serve.add_argument_group("robot policy (WS /v1/realtime/robot/openpi, openpi's websocket protocol)")
     robot.add_argument(
