@@ -39,6 +39,18 @@ def test_opens_since_the_last_report_spread_a_burst() -> None:
     assert router.route("s6") == "a"
 
 
+def test_places_asked_for_before_the_replicas_answer_spread_a_burst() -> None:
+    router = router_with(a=4, b=4)
+    asked = []
+    for _ in range(6):  # sessions arriving together: each asks before any replica has answered
+        first = router.reserving_order()[0]
+        router.asking(first)
+        asked.append(first)
+    assert sorted(asked) == ["a", "a", "a", "b", "b", "b"]
+    router.note_free("a", 0)  # a's answer: it is full now; b still has one place not asked for
+    assert router.reserving_order() == ["b", "a"]
+
+
 def test_adding_a_replica_moves_no_live_session() -> None:
     router = router_with(a=4, b=4)
     pins = {s: router.route(s) for s in ("s1", "s2", "s3", "s4")}

@@ -275,6 +275,7 @@ class RemoteEnginePool:
             if link is None:
                 continue
             place_id = uuid.uuid4().hex
+            self.router.asking(name)
             answer: asyncio.Future[Opened | Refused | None] = loop.create_future()
             task = loop.create_task(self._hold(link, place_id, answer), name="engine-session-place")
             self._places.add(task)

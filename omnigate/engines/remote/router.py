@@ -120,6 +120,13 @@ class SessionRouter:
         candidates.sort(key=lambda s: (-s.free_estimate, self._pinned_count[s.name], s.name))
         return [s.name for s in candidates]
 
+    def asking(self, name: str) -> None:
+        """A session's place is being asked of ``name``: count it against its free slots until the replica answers,
+        so that sessions arriving together are spread over the replicas instead of all asking the same one."""
+        state = self._replicas.get(name)
+        if state is not None:
+            state.opened_since_report += 1
+
     def pin(self, session: Hashable, name: str) -> None:
         """Pin ``session`` to ``name`` (the replica holding its place)."""
         self._pin(session, name)
