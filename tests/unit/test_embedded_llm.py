@@ -240,6 +240,107 @@ async def test_a_long_prompt_is_prefilled_in_chunks_while_an_answer_in_flight_ke
     assert all(step[first_slot] == 1 for step in chunks)
 
 
+SYSTEM = "system: you are a terse assistant; answer the user in a few words.\n"  # every conversation's first turn
+
+
+def turn(history: str, user: str) -> LlmRequest:
+    return LlmRequest(f"{history}user: {user}\nassistant: ", 20, seed=3)
+
+
+async def answer_on(engine: LlmEngine, request: LlmRequest) -> Answer:
+    answer = Answer()
+    engine.submit(request, answer.sink)
+    await answer.until(lambda: answer.done is not None)
+    return answer
+
+
+def ungated(slots: int) -> GatedModel:
+    model = GatedModel(slots=slots, max_context=256)
+    model.permits.release(10**6)
+    return model
+
+
+async def test_a_conversations_next_turn_prefills_only_its_new_tokens_and_answers_as_a_fresh_prefill() -> None:
+    model = ungated(2)
+    engine = started(model)
+    try:
+        first_request = turn(SYSTEM, "hello")
+        first = await answer_on(engine, first_request)
+        second_request = turn(first_request.prompt + first.text + "\n", "and then?")
+        forwards = len(model.fed)
+        second = await answer_on(engine, second_request)
+    finally:
+        await asyncio.to_thread(engine.stop)
+    fresh = await solo(second_request)
+    assert (second.text, second.done) == (fresh.text, fresh.done)
+    # The slot kept the first prompt and the answer's tokens fed back: all but the last, which ended it.
+    kept = len(first_request.prompt) + len(first.text) - 1
+    assert engine.reused_tokens_total == kept
+    (slot,) = model.fed[0]
+    assert model.fed[forwards] == {slot: len(second_request.prompt) - kept}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "diverging early",
+        "another user turn after the system turn",  # a prefix copied to the other slot: the first one is kept
+        "diverging inside the answer",  # the slot truncated in place: its tokens past the prefix are never seen
+        "shorter than the kept tokens",
+    ],
+)
+async def test_a_prompt_sharing_part_of_a_slots_tokens_reuses_that_part_and_answers_as_a_fresh_prefill(
+    name: str,
+) -> None:
+    model = ungated(2)
+    engine = started(model)
+    try:
+        first_request = turn(SYSTEM, "hello")
+        first = await answer_on(engine, first_request)
+        prompt, reused = {
+            "diverging early": ("system? " + SYSTEM, 0),
+            "another user turn after the system turn": (
+                turn(SYSTEM, "what time is it?").prompt,
+                len(SYSTEM + "user: "),
+            ),
+            "diverging inside the answer": (
+                turn(first_request.prompt + first.text[:8] + "\n", "no").prompt,
+                len(first_request.prompt) + 8,
+            ),
+            "shorter than the kept tokens": ((first_request.prompt + first.text)[:30], 29),  # its last token prefilled
+        }[name]
+        second = await answer_on(engine, LlmRequest(prompt, 20, seed=4))
+    finally:
+        await asyncio.to_thread(engine.stop)
+    fresh = await solo(LlmRequest(prompt, 20, seed=4))
+    assert (second.text, second.done) == (fresh.text, fresh.done)
+    assert engine.reused_tokens_total == reused
+
+
+async def test_two_interleaved_conversations_each_reuse_their_own_history_and_answer_as_fresh_prefills() -> None:
+    model = ungated(2)
+    engine = started(model)
+    try:
+        a1_request, b1_request = turn(SYSTEM, "hello"), turn(SYSTEM, "what time is it?")
+        a1 = await answer_on(engine, a1_request)
+        b1 = await answer_on(engine, b1_request)  # the system turn copied: the first conversation's slot is kept
+        a2_request = turn(a1_request.prompt + a1.text + "\n", "go on")
+        b2_request = turn(b1_request.prompt + b1.text + "\n", "really?")
+        a2, b2 = Answer(), Answer()
+        engine.submit(a2_request, a2.sink)
+        engine.submit(b2_request, b2.sink)
+        await a2.until(lambda: a2.done is not None)
+        await b2.until(lambda: b2.done is not None)
+    finally:
+        await asyncio.to_thread(engine.stop)
+    for request, answer in [(a1_request, a1), (b1_request, b1), (a2_request, a2), (b2_request, b2)]:
+        fresh = await solo(request)
+        assert (answer.text, answer.done) == (fresh.text, fresh.done)
+    assert engine.reused_tokens_total == (
+        len(SYSTEM + "user: ") + len(a1_request.prompt) + len(a1.text) - 1 + len(b1_request.prompt) + len(b1.text) - 1
+    )
+
+
 async def test_the_limits_are_typed() -> None:
     engine = started(tiny_model(slots=2, max_context=64), max_sessions=2, max_answer_tokens=5)
     try:

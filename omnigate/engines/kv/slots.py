@@ -66,6 +66,17 @@ class SlotKVCache:
         """Empty ``slot`` for a new stream; stale entries beyond the length are never read."""
         self._lengths[slot] = 0
 
+    def keep_prefix(self, slot: int, source: int, tokens: int) -> None:
+        """Make ``slot`` hold the first ``tokens`` entries of ``source`` (``slot`` itself: truncate it), so a stream
+        sharing those tokens appends after them. Entries beyond the new length are stale and never read: a row
+        attends only up to its own position, and every position before it is written by then."""
+        if not 0 <= tokens <= self._lengths[source]:
+            raise ValueError(f"slot {source} holds {self._lengths[source]} tokens, not {tokens}")
+        if source != slot:
+            self.keys[:, slot, :tokens] = self.keys[:, source, :tokens]
+            self.values[:, slot, :tokens] = self.values[:, source, :tokens]
+        self._lengths[slot] = tokens
+
     def plan(self, slots: Sequence[int], counts: Sequence[int]) -> TokenRows:
         """Rows appending ``counts[i]`` tokens to ``slots[i]``. Raises :class:`ContextFull`."""
         slot_ids, positions, last = self.plan_rows(slots, counts)

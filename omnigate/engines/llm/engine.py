@@ -11,6 +11,14 @@ Bounded: ``max_sessions`` answers at once (one cache slot each; ``submit`` past 
 and its answer within ``max_context`` tokens (a longer prompt ends typed ``context_length_exceeded``), and at most
 ``max_answer_tokens`` tokens an answer. Outputs reach the caller's sink on its event loop (``call_soon_threadsafe``);
 every admitted request ends with exactly one :class:`LlmDone`.
+
+Prefix reuse: a slot keeps the token ids whose keys/values it holds after its answer ends. A new prompt goes to a
+free slot and starts from the longest prefix (at least :data:`MIN_REUSED_TOKENS`) it shares with any slot's tokens:
+a conversation's next turn repeats its whole history, and every conversation starts with the same system turn, so
+only the tokens after that prefix are prefilled. The prefix is taken in place when the slot holding it is free and
+loses fewer than :data:`MIN_REUSED_TOKENS` tokens past it (a conversation's next turn: at most the end of the last
+answer, tokenized otherwise in the history), else copied into the free slot unused the longest, so that another
+conversation's history is not overwritten for the system turn they share.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ log = logging.getLogger(__name__)
 # Prompt tokens prefilled a loop, beside the decode rows: ~0.2 s of forward for SmolLM2-135M on 2 CPU cores, so an
 # answer in flight waits at most that for its next token while a new conversation's prompt goes in.
 PREFILL_TOKENS_PER_STEP = 256
+# Shorter shared prefixes are prefilled again: copying a slot's keys/values costs more than it saves for a few tokens.
+MIN_REUSED_TOKENS = 16
 DEFAULT_SESSIONS = 8
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_ANSWER_TOKENS = 512
@@ -123,12 +133,14 @@ class LlmEngine:
         max_sessions: int = DEFAULT_SESSIONS,
         max_answer_tokens: int = DEFAULT_MAX_ANSWER_TOKENS,
         threads: int | None = DEFAULT_THREADS,
+        prefix_reuse: bool = True,
     ) -> None:
         if max_sessions < 1 or max_answer_tokens < 1:
             raise ValueError("max_sessions and max_answer_tokens must be positive")
         self.max_sessions = max_sessions
         self.max_answer_tokens = max_answer_tokens
         self.threads = threads  # None: torch's own setting
+        self.prefix_reuse = prefix_reuse
         self._load = load
         self.model: LlmModel | None = None
         self.load_error: str | None = None
@@ -139,12 +151,16 @@ class LlmEngine:
         self._pending: list[LlmJob] = []
         self._running: list[LlmJob] = []
         self._free_slots: list[int] = []
+        self._held: list[list[int]] = []  # per slot: the token ids whose keys/values it holds, in order
+        self._freed_at: list[int] = []  # per slot: when it was last freed (0: never used), for least recently used
+        self._frees = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
         # counters (read by benchmarks)
         self.steps = 0
         self.decode_rows_total = 0
         self.prefill_tokens_total = 0
+        self.reused_tokens_total = 0  # prompt tokens not prefilled: their keys/values were in a slot already
 
     @property
     def ready(self) -> bool:
@@ -213,7 +229,9 @@ class LlmEngine:
             self.load_error = f"the model has {model.slots} cache slots for {self.max_sessions} conversations"
             self._loaded.set()
             return
-        self._free_slots = list(range(self.max_sessions))[::-1]
+        self._free_slots = list(range(self.max_sessions))
+        self._held = [[] for _ in range(self.max_sessions)]
+        self._freed_at = [0] * self.max_sessions
         self.load_s = time.perf_counter() - started
         self.model = model
         self._loaded.set()
@@ -267,11 +285,35 @@ class LlmEngine:
             self._finish(job, "error", message, CONTEXT_LENGTH_EXCEEDED)
             return False
         job.prompt = prompt
-        job.slot = self._free_slots.pop()
+        job.slot, job.prefilled = self._place(model, prompt)
         job.decoder = IncrementalDecoder(model.tokenizer)
         job.generator = torch.Generator().manual_seed(job.request.seed)
-        model.reset(job.slot)
         return True
+
+    def _place(self, model: LlmModel, prompt: list[int]) -> tuple[int, int]:
+        """Take a free slot for ``prompt`` holding the longest prefix of it found in any slot; the slot and how many
+        prompt tokens it then holds. At least the prompt's last token is left to prefill: its logits start the
+        answer."""
+        source, shared = -1, 0
+        if self.prefix_reuse:
+            for slot, held in enumerate(self._held):
+                common = _common_prefix(held, prompt, len(prompt) - 1)
+                if common > shared:
+                    source, shared = slot, common
+        if shared < MIN_REUSED_TOKENS:
+            source, shared = -1, 0
+        if source in self._free_slots and len(self._held[source]) - shared < MIN_REUSED_TOKENS:
+            slot = source
+        else:
+            slot = min(self._free_slots, key=lambda s: self._freed_at[s])
+        self._free_slots.remove(slot)
+        if shared:
+            model.keep_prefix(slot, source, shared)
+        else:
+            model.reset(slot)
+        self._held[slot] = prompt[:shared]
+        self.reused_tokens_total += shared
+        return slot, shared
 
     def _step(self, model: LlmModel, jobs: list[LlmJob]) -> None:
         """Sample one token of every job that has logits, then one forward: the tokens of those that go on and the
@@ -309,6 +351,8 @@ class LlmEngine:
         self.steps += 1
         self.decode_rows_total += decoding
         self.prefill_tokens_total += sum(len(row) for row in rows[decoding:])
+        for job, row in zip(fed, rows, strict=True):
+            self._held[self._slot(job)].extend(row)
         for job, out in zip(fed, logits, strict=True):
             if job.prompt is not None and job.prefilled == len(job.prompt):
                 job.logits = out
@@ -363,6 +407,8 @@ class LlmEngine:
             return
         job.done = True
         if job.slot is not None:
+            self._frees += 1
+            self._freed_at[job.slot] = self._frees
             self._free_slots.append(job.slot)
             job.slot = None
         job.logits = None
@@ -373,3 +419,13 @@ class LlmEngine:
     def _emit(job: LlmJob, outputs: list[LlmOutput]) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             job.loop.call_soon_threadsafe(job.sink, outputs)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n

@@ -93,6 +93,11 @@ class LlmModel:
         """Empty ``slot`` for a new answer."""
         self.cache.reset(slot)
 
+    def keep_prefix(self, slot: int, source: int, tokens: int) -> None:
+        """Make ``slot`` hold the first ``tokens`` keys/values of ``source`` (``slot`` itself: truncate it): a new
+        answer whose prompt starts with those tokens prefills only the rest."""
+        self.cache.keep_prefix(slot, source, tokens)
+
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``tokens[i]`` to ``slots[i]`` (each at the slot's next positions), all in ONE forward; the
