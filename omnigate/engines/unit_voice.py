@@ -17,8 +17,10 @@ import abc
 import ctypes
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Annotated, TypeVar
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -33,6 +35,31 @@ from omnigate.engines.base import (
     StreamDone,
     SynthesisParams,
 )
+
+
+class UnitVoiceOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Options every per-sentence voice takes (a family's options add their own)."""
+
+    workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    """0: one worker per core the process may use (cgroup quota and affinity)."""
+    max_sessions: Annotated[int, msgspec.Meta(ge=1)] = 64
+    chunk_ms: Annotated[int, msgspec.Meta(ge=10, le=1000)] = 100
+    piece_ms: Annotated[int, msgspec.Meta(ge=200, le=60_000)] = 4000
+    """The longest audio one onnxruntime call makes; longer units are cut at word boundaries."""
+
+
+OptionsT = TypeVar("OptionsT", bound=UnitVoiceOptions)
+
+
+def parse_options(
+    kind: type[OptionsT], options: Mapping[str, int | str], error: type[ValueError], family: str
+) -> OptionsT:
+    """``options`` as ``kind``, strings (from the command line) converted; ``error`` names what does not parse."""
+    try:
+        return msgspec.convert(options, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise error(f"invalid {family} option: {exc}") from None
+
 
 # A chunk is cut below chunk_ms to fit the credit only down to this length; tinier pieces wait for credit.
 MIN_CUT_MS = 20
