@@ -322,6 +322,19 @@ def test_idle_timeout_and_maximum_duration_close_with_their_codes() -> None:
     assert h.drain()[-1] == {"type": "<closed>", "code": "max_duration", "close_code": 1008}
 
 
+def test_the_idle_timeout_covers_the_gaps_between_answers_not_an_answer_in_progress() -> None:
+    h = Harness(idle_timeout_s=10.0, max_session_s=100.0)
+    response = h.speak("A long answer.")
+    h.session.response_text(response, "A long answer.", 3)
+    assert h.session.expire(10.0) == pytest.approx(20.0)  # generating: the clock starts again
+    assert h.session.response_audio(response, pcm_ms(100), RATE)
+    h.session.finish_response(response, "completed")
+    assert h.session.expire(20.0) == pytest.approx(30.0)  # its audio still waits for the transport
+    h.drain()
+    assert h.session.expire(30.0) is None
+    assert h.drain()[-1] == {"type": "<closed>", "code": "idle_timeout", "close_code": 4408}
+
+
 def scores(h: Harness, *probabilities: float) -> None:
     """Answer the outstanding scoring request with these window probabilities."""
     assert isinstance(h.requests[-1], ScoreSpeech)

@@ -310,7 +310,12 @@ class RealtimeSession:
         if now >= self.started_at + self.limits.max_session_s:
             self.fail("max_duration", "the session reached its maximum duration")
         elif now >= self.last_activity + self.limits.idle_timeout_s:
-            self.fail("idle_timeout", f"no client event within {self.limits.idle_timeout_s:g} s")
+            if self._active is not None or len(self.outbox):
+                # A client listening to a long answer sends nothing: the idle clock covers the gaps between
+                # answers, so while one is generated or still goes out it starts again.
+                self.last_activity = now
+            else:
+                self.fail("idle_timeout", f"no client event within {self.limits.idle_timeout_s:g} s")
         return self.next_deadline
 
     def take_output(self, now: float | None = None) -> RealtimeOutput | None:
