@@ -101,8 +101,9 @@ def _qwen3_omni_30b_a3b() -> Qwen3OmniMoeConfig:
                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
                 "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "rope_parameters": rope,
             },
-            "audio_token_id": 151646, "image_token_id": 151655, "video_token_id": 151656,
-            "audio_start_token_id": 151647, "vision_start_token_id": 151652, "user_token_id": 872,
+            "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
+            "audio_start_token_id": 151669, "vision_start_token_id": 151652, "user_token_id": 872,
+            "position_id_per_seconds": 13,
         },
         talker_config={
             "text_config": {
@@ -119,6 +120,8 @@ def _qwen3_omni_30b_a3b() -> Qwen3OmniMoeConfig:
             "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_nothink_id": 2155,
             "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
             "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+            "audio_token_id": 151675, "audio_start_token_id": 151669, "image_token_id": 151655,
+            "video_token_id": 151656, "vision_start_token_id": 151652, "position_id_per_seconds": 13,
         },
         code2wav_config={"codebook_size": 2048, "num_quantizers": 16, "sliding_window": 72},
     )  # fmt: skip
