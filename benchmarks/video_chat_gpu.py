@@ -11,9 +11,8 @@ split where the speech session's segmenter released the answer's first unit to t
 segmenter over the text deltas as they arrive; the answer's end flushes it): text to unit is the thinker's and the
 segmenter's, unit to audio the talker's. The thinker's worker time is split too: frames encoded ahead, frames
 encoded in prefills, prefill forwards, decode steps. ``--compare-before`` runs the levels twice in the same server:
-as built, then as the omni engine scheduled before frames were encoded as they arrive (``encode_ahead`` off: a
-question's prefill encodes its new frames) and before new answers got their first tokens ahead of the next prefill
-(``first_tokens`` 0).
+as built, then with the omni engine's ``encode_ahead`` off (a question's prefill encodes its new frames, as before
+frames were encoded as they arrive).
 The talker admits by slots (``--admission slots``) so that a level measures what the engines carry; ``headroom``
 measures what a production gateway admits. Then it measures the vision encoder alone:
 milliseconds per frame when every frame is new, and when the frames are unchanged (their vision tokens come from
@@ -309,7 +308,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-before",
         action="store_true",
-        help="run the levels again as the omni engine scheduled before: encode_ahead off and first_tokens 0",
+        help="run the levels again with the omni engine's encode_ahead off (frames encoded when a question asks)",
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "video_chat_gpu.json")
     args = parser.parse_args()
@@ -347,14 +346,11 @@ def main() -> None:
     with serve(settings) as server:
         engine = server.app.state.omni_engine
         report["tokens_per_frame"] = engine.info.tokens_per_frame
-        built = (engine.ahead_enabled, engine.first_tokens)
-        passes = [("levels", built)]
-        if args.compare_before:
-            passes.append(("levels_before", (False, 0)))
-        for key, (ahead, first_tokens) in passes:
-            engine.ahead_enabled, engine.first_tokens = ahead, first_tokens
+        passes = [("levels", True), ("levels_before", False)] if args.compare_before else [("levels", True)]
+        for key, ahead in passes:
+            engine.ahead_enabled = ahead
             report[key] = [run_level(server, engine, sessions, frames, args) for sessions in levels]
-        engine.ahead_enabled, engine.first_tokens = built
+        engine.ahead_enabled = True
         report["encoder"] = encoder_cost(engine, args.encoder_frames)
         print(json.dumps(report["encoder"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -387,7 +383,7 @@ def run_level(server: Any, engine: Any, sessions: int, frames: list[str], args: 
     counters = {name: getattr(engine, name) for name in WORKER_COUNTERS}
     result = asyncio.run(level(server.ws_url, sessions, frames, args))
     wall = time.perf_counter() - started
-    result["encode_ahead"], result["first_tokens"] = engine.ahead_enabled, engine.first_tokens
+    result["encode_ahead"] = engine.ahead_enabled
     for name, before in counters.items():
         result["omni_" + name.removesuffix("_total")] = round(getattr(engine, name) - before, 3)
     # One decode step advances every answer in flight by a token: the token rate is shared by them all.

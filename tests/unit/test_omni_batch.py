@@ -229,7 +229,6 @@ def test_more_sessions_than_cache_slots_are_refused() -> None:
 
 async def test_a_burst_of_questions_is_prefilled_over_several_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("omnigate.engines.omni.engine.PREFILL_TOKENS_PER_STEP", 1)  # one prefill per step
-    monkeypatch.setattr("omnigate.engines.omni.engine.FIRST_TOKENS", 0)  # prefill whenever a prompt waits
     engine = OmniEngine(build_preset("tiny", seed=4, slots=3, max_context=128))
     collector = Collector()
     for i in range(3):

@@ -174,32 +174,3 @@ async def test_the_frames_of_an_ended_session_are_not_encoded() -> None:
 def test_encode_ahead_is_an_engine_option() -> None:
     with pytest.raises(ValueError, match="encode_ahead must be on or off"):
         OmniEngine.load("preset:tiny", encode_ahead="sometimes")
-
-
-async def test_an_answer_gets_its_first_tokens_before_the_next_prompt_is_prefilled(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr("omnigate.engines.omni.engine.PREFILL_TOKENS_PER_STEP", 1)  # one prompt per forward
-    monkeypatch.setattr("omnigate.engines.omni.engine.FIRST_TOKENS", 3)
-    engine = OmniEngine(build_preset("tiny", seed=4, slots=3, max_context=128))
-    answers: list[asyncio.Future[ThinkDone]] = []
-    for i in range(3):
-        finished: asyncio.Future[ThinkDone] = asyncio.get_running_loop().create_future()
-        answers.append(finished)
-
-        def sink(outputs: list[ThinkOutput], finished: asyncio.Future[ThinkDone] = finished) -> None:
-            for out in outputs:
-                if isinstance(out, ThinkDone):
-                    finished.set_result(out)
-
-        engine.submit(ThinkRequest("", f"q{i}?", max_new_tokens=4, temperature=0.0, seed=i), sink)
-    engine.start()
-    try:
-        dones = await asyncio.wait_for(asyncio.gather(*answers), 60)
-    finally:
-        await asyncio.to_thread(engine.stop)
-    assert [d.reason for d in dones] == ["max_tokens"] * 3
-    # Each answer decodes its first 3 tokens alone before the next prompt's prefill: steps of 1, 1, 1, 2, 1, 1, 2,
-    # 1, 1, 1 answers (without the rule: 1, 2, 3, 3, 2, 1).
-    assert (engine.steps, engine.decode_rows_total) == (10, 12)
-    assert engine.stats.prefill_forwards == 3

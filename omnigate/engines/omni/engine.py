@@ -61,11 +61,6 @@ PREFILL_TOKENS_PER_STEP = 8192
 # prompt's): the answers in flight wait at most this many frames' encoding (~7 ms a frame on an H200) for their next
 # token, not a whole burst's.
 PREFILL_FRAMES_PER_STEP = 16
-# A new answer's first tokens come before the next prefill forward: while an answer in flight has fewer than this
-# many, a loop only decodes. A burst's later prompts wait at most this many decode steps (~35 ms on an H200 at 64
-# answers), and the answers already prefilled get their first words (the talker's first unit) without waiting for
-# every later prefill of the burst.
-FIRST_TOKENS = 8
 # Frames encoded ahead of their question: a loop with nothing else to do encodes at most this many in one call (a
 # question arriving meanwhile waits for that call only) ...
 AHEAD_FRAMES_IDLE = 8
@@ -132,7 +127,6 @@ class OmniEngine:
         self._running: list[ThinkJob] = []
         self._free_slots = list(range(sessions))[::-1]  # worker thread only; the lowest slot is taken first
         self.ahead_enabled = encode_ahead
-        self.first_tokens = FIRST_TOKENS  # 0: prefill whenever prompts wait (the first words wait for the burst)
         self._ahead: deque[tuple[FrameInput, EncoderCache]] = deque(maxlen=AHEAD_QUEUE_FRAMES)
         self._ahead_next_at = 0.0  # while answers are in flight, no frame is encoded ahead before this time
         self._stopping = False
@@ -258,17 +252,15 @@ class OmniEngine:
             waiting: list[ThinkJob] = []
             taken: list[ThinkJob] = []
             planned = frames = 0
-            young = any(job.tokens < self.first_tokens for job in running)
             for job in admitted:
                 if job.cancelled:
                     self._finish(job, "cancelled")
                     continue
                 new_frames = self._new_frames(job.request)
                 over = planned >= PREFILL_TOKENS_PER_STEP or frames + new_frames > PREFILL_FRAMES_PER_STEP
-                if young or len(taken) >= len(self._free_slots) or (taken and over):
-                    # An answer's first tokens come first. No free slot: a job cancelled after this step began still
-                    # holds its own (the next step frees it). Over the budget: the answers in flight get their next
-                    # token before more prefills.
+                if len(taken) >= len(self._free_slots) or (taken and over):
+                    # No free slot: a job cancelled after this step began still holds its own (the next step frees
+                    # it). Over the budget: the answers in flight get their next token before more prefills.
                     waiting.append(job)
                 else:
                     taken.append(job)
