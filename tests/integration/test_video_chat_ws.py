@@ -25,6 +25,7 @@ from omnigate.engines.omni.engine import OmniEngine
 from omnigate.engines.omni.request import EncoderCache
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.video_chat import frames
+from omnigate.gateway.video_chat.image_budget import FrameBudget
 from omnigate.sessions.video_chat import Action, DecodedFrame, VideoChatSession
 from tests import image_bombs
 from tests.fuzz.server import settle
@@ -156,20 +157,23 @@ async def test_frames_sent_before_a_question_are_encoded_before_it_is_asked(
     chat_server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = omni(chat_server)
+    pictures = [jpeg(21), jpeg(22)]
+    # The digests the server gives these frames (of their pixels at the model's frame size).
+    digests = {frames.decode_frame(p, engine.info.frame_size, FrameBudget()).frame.digest for p in pictures}
     stored = threading.Event()
     put = EncoderCache.put
 
     def watched_put(cache: EncoderCache, digest: bytes, tokens: Any) -> None:
         put(cache, digest, tokens)
-        if len(cache) >= 2:
+        if all(d in cache for d in digests):
             stored.set()
 
     monkeypatch.setattr(EncoderCache, "put", watched_put)
     async with connect(chat_server.ws_url + ROUTE) as ws:
         await send(ws, "session.config", num_frames=2, enable_frame_filter=False, modalities=["text"], max_new_tokens=4)
         before = chat_server.call(lambda: (engine.frames_ahead_total, engine.frames_encoded_total))
-        await send(ws, "video.frame", data=jpeg(21))
-        await send(ws, "video.frame", data=jpeg(22))
+        for picture in pictures:
+            await send(ws, "video.frame", data=picture)
         assert await asyncio.to_thread(stored.wait, 60), "the frames were not encoded before a question asked"
         await send(ws, "video.query", text="what changed?")
         events = await until_terminal(ws, 0, "response.text.done")
