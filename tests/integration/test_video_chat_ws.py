@@ -157,7 +157,7 @@ async def test_frames_sent_before_a_question_are_encoded_before_it_is_asked(
     chat_server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = omni(chat_server)
-    pictures = [jpeg(21), jpeg(22)]
+    pictures = [jpeg(121), jpeg(122)]  # seeds no other test sends
     # The digests the server gives these frames (of their pixels at the model's frame size).
     digests = {frames.decode_frame(p, engine.info.frame_size, FrameBudget()).frame.digest for p in pictures}
     stored = threading.Event()
