@@ -174,3 +174,28 @@ async def test_the_frames_of_an_ended_session_are_not_encoded() -> None:
 def test_encode_ahead_is_an_engine_option() -> None:
     with pytest.raises(ValueError, match="encode_ahead must be on or off"):
         OmniEngine.load("preset:tiny", encode_ahead="sometimes")
+
+
+async def test_encoding_ahead_keeps_to_its_share_and_never_holds_up_a_question(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("omnigate.engines.omni.engine.AHEAD_FRAMES_IDLE", 1)
+    monkeypatch.setattr("omnigate.engines.omni.engine.AHEAD_IDLE_SHARE", 1e-9)  # after one call, a pause for ever
+    model = build_preset("tiny", seed=4, slots=2, max_context=256)
+    engine = OmniEngine(model)
+    sizes = record_encoder_calls(model)
+    frames = camera(2)
+    cache = WatchedCache(expected=1)
+    for frame in frames:
+        engine.encode_ahead(frame, cache)
+    engine.start()
+    try:
+        assert await asyncio.to_thread(cache.full.wait, 60)
+        got = await answer(engine, question(frames, cache, max_new_tokens=4))
+    finally:
+        await asyncio.to_thread(engine.stop)
+    # The newest frame was encoded ahead; the other waited out the pause, and the question, not held up by it,
+    # encoded it in its prefill.
+    assert got.tokens > 0 and sizes == [1, 1]
+    assert (engine.frames_ahead_total, engine.frames_encoded_total) == (1, 2)
+    assert frames[1].digest in cache and cache.hits == 1

@@ -12,7 +12,7 @@ encoder.
 Frames are also encoded as they arrive (:meth:`OmniEngine.encode_ahead`), before any question samples them: the
 worker encodes them between its steps, newest first, into the session's cache, so a question's prefill finds its
 vision tokens ready. A loop with nothing else to do encodes a few in one call; while answers are in flight, one frame
-at a time and at most a share of the worker's time, so a decode step waits at most one frame's encoding.
+at a time, so a decode step waits at most one frame's encoding; either way at most a share of the worker's time.
 
 Outputs reach the caller's sink on its event loop (``call_soon_threadsafe``); a cancelled query produces nothing
 more, and every query that was admitted ends with exactly one :class:`ThinkDone`. A prompt longer than the context
@@ -62,8 +62,11 @@ PREFILL_TOKENS_PER_STEP = 8192
 # token, not a whole burst's.
 PREFILL_FRAMES_PER_STEP = 16
 # Frames encoded ahead of their question: a loop with nothing else to do encodes at most this many in one call (a
-# question arriving meanwhile waits for that call only) ...
+# question arriving meanwhile waits for that call only), and such calls take at most this share of the worker's
+# time: a camera whose every frame is new (2 a second, 64 sessions: ~1 s of encoder a second) must not take the GPU
+# from the talker beside the thinker ...
 AHEAD_FRAMES_IDLE = 8
+AHEAD_IDLE_SHARE = 0.5
 # ... and while answers are in flight one frame at a time, at most this share of the worker's time.
 AHEAD_BUSY_SHARE = 0.25
 # Frames waiting to be encoded ahead, every session's together; beyond it the oldest are forgotten (a question that
@@ -128,7 +131,7 @@ class OmniEngine:
         self._free_slots = list(range(sessions))[::-1]  # worker thread only; the lowest slot is taken first
         self.ahead_enabled = encode_ahead
         self._ahead: deque[tuple[FrameInput, EncoderCache]] = deque(maxlen=AHEAD_QUEUE_FRAMES)
-        self._ahead_next_at = 0.0  # while answers are in flight, no frame is encoded ahead before this time
+        self._ahead_next_at = 0.0  # no frame is encoded ahead before this time (perf_counter)
         self._stopping = False
         self._thread: threading.Thread | None = None
         # counters (read by metrics and benchmarks)
@@ -234,8 +237,14 @@ class OmniEngine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._pending and not self._running and not self._ahead:
-                    self._wake.wait()
+                while not self._stopping and not self._pending and not self._running:
+                    if not self._ahead:
+                        self._wake.wait()
+                        continue
+                    pause = self._ahead_next_at - time.perf_counter()
+                    if pause <= 0:
+                        break
+                    self._wake.wait(pause)  # the frames waiting to be encoded ahead keep to their share
                 if self._stopping:
                     jobs = self._pending + self._running
                     self._pending, self._running = [], []
@@ -289,8 +298,9 @@ class OmniEngine:
 
     def _encode_ahead(self, busy: bool) -> None:
         """Encode the newest frames waiting to be encoded ahead, under the loop's budget: ``AHEAD_FRAMES_IDLE`` in
-        one call when nothing else waits, else one frame, at most ``AHEAD_BUSY_SHARE`` of the worker's time."""
-        if busy and time.perf_counter() < self._ahead_next_at:
+        one call when nothing else waits, else one frame; then nothing more ahead until the calls' time is the share
+        (``AHEAD_IDLE_SHARE``, ``AHEAD_BUSY_SHARE``) of the worker's time since."""
+        if time.perf_counter() < self._ahead_next_at:
             return
         limit = 1 if busy else AHEAD_FRAMES_IDLE
         batch: list[tuple[FrameInput, EncoderCache]] = []
@@ -315,8 +325,8 @@ class OmniEngine:
         self.frames_ahead_total += len(batch)
         self.frames_encoded_total += len(batch)
         self.encode_ahead_seconds_total += elapsed
-        if busy:
-            self._ahead_next_at = time.perf_counter() + elapsed * (1.0 / AHEAD_BUSY_SHARE - 1.0)
+        share = AHEAD_BUSY_SHARE if busy else AHEAD_IDLE_SHARE
+        self._ahead_next_at = time.perf_counter() + elapsed * (1.0 / share - 1.0)
 
     def _prompt_estimate(self, request: ThinkRequest) -> int:
         """The prompt's tokens before encoding anything (audio at 25 tokens a second, rounded up): its share of a
