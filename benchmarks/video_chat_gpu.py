@@ -6,7 +6,13 @@ WebSocket clients of ``/v1/video/chat/stream`` that send JPEG camera frames at `
 first audio byte (p50/p95/max over every query after the first round; the first round apart), and why each level's
 questions ended: terminal statuses, error codes with a few messages, questions still open after ``--drain`` seconds,
 and the thinker's token rate (each decode step is one batched forward over every answer in flight: its steps per
-second and answers per step say how the batch grows with the sessions).
+second and answers per step say how the batch grows with the sessions). The time from first text to first audio is
+split where the speech session's segmenter released the answer's first unit to the talker (the client replays the
+segmenter over the text deltas as they arrive; the answer's end flushes it): text to unit is the thinker's and the
+segmenter's, unit to audio the talker's. The thinker's worker time is split too: frames encoded ahead, frames
+encoded in prefills, prefill forwards, decode steps. ``--compare-before`` runs the levels twice in the same server:
+as built, then with the omni engine's ``encode_ahead`` off (a question's prefill encodes its new frames, as before
+frames were encoded as they arrive).
 The talker admits by slots (``--admission slots``) so that a level measures what the engines carry; ``headroom``
 measures what a production gateway admits. Then it measures the vision encoder alone:
 milliseconds per frame when every frame is new, and when the frames are unchanged (their vision tokens come from
@@ -43,6 +49,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from omnigate.gateway.settings import Settings
+from omnigate.sessions.segmenter import TextSegmenter
 from tests.serving import serve
 
 ROUTE = "/v1/video/chat/stream"
@@ -118,6 +125,9 @@ async def one_session(
         loop = asyncio.get_running_loop()
         end = loop.time() + args.duration
         state: dict[str, Any] = {"asked": None, "text": False, "audio": False, "round": 0}
+        # The speech session's segmenter (its default configuration) replayed over the text as it arrives: when it
+        # would release the answer's first unit to the talker.
+        timing: dict[str, Any] = {"segmenter": TextSegmenter(), "text_at": None, "unit_at": None}
         # A question is open until both its text and its audio terminal came: the next one waits for it (a new
         # question would cancel the answer in flight, and a slow answer would read as cancelled, not as slow).
         text_open, audio_open = asyncio.Event(), asyncio.Event()
@@ -137,16 +147,31 @@ async def one_session(
                     continue
                 if asked is None:
                     continue
+                now = time.perf_counter()
+                if kind == "response.text.delta" and timing["unit_at"] is None:
+                    segmenter = timing["segmenter"]
+                    if segmenter.push(event["delta"], now * 1000) or segmenter.poll(now * 1000):
+                        timing["unit_at"] = now
                 if kind == "response.text.delta" and not state["text"]:
                     state["text"] = True
+                    timing["text_at"] = now
                     # A session's first question warms it up (reported apart: at many sessions it may be the only one)
                     key = "first_text" if state["round"] > 1 else "first_text_round1"
-                    results[key].append(time.perf_counter() - asked)
+                    results[key].append(now - asked)
                 elif kind == "response.audio.delta" and not state["audio"]:
                     state["audio"] = True
                     key = "first_audio" if state["round"] > 1 else "first_audio_round1"
-                    results[key].append(time.perf_counter() - asked)
+                    results[key].append(now - asked)
+                    if state["round"] > 1 and timing["text_at"] is not None:
+                        unit_at = timing["unit_at"]
+                        if unit_at is None:  # released by the segmenter's timer (max_wait_ms)
+                            deadline = timing["segmenter"].next_deadline_ms()
+                            unit_at = min(now, deadline / 1000) if deadline is not None else now
+                        results["text_to_unit"].append(unit_at - timing["text_at"])
+                        results["unit_to_audio"].append(now - unit_at)
                 elif kind == "response.text.done":
+                    if timing["unit_at"] is None:
+                        timing["unit_at"] = now  # the answer's end flushes the segmenter
                     outcomes.text_statuses[event["status"]] += 1
                     text_open.clear()
                 elif kind == "response.audio.done":
@@ -169,6 +194,7 @@ async def one_session(
                 i += 1
                 if loop.time() >= next_query and not text_open.is_set() and not audio_open.is_set():
                     state.update(asked=time.perf_counter(), text=False, audio=False)
+                    timing.update(segmenter=TextSegmenter(), text_at=None, unit_at=None)
                     text_open.set()
                     audio_open.set()
                     state["round"] += 1
@@ -199,6 +225,8 @@ async def level(url: str, sessions: int, frames: list[str], args: argparse.Names
         "sessions": sessions,
         "first_text_delta": summary(results["first_text"]),
         "first_audio_byte": summary(results["first_audio"]),
+        "text_to_first_unit": summary(results["text_to_unit"]),
+        "first_unit_to_audio": summary(results["unit_to_audio"]),
         "first_question": {
             "first_text_delta": summary(results["first_text_round1"]),
             "first_audio_byte": summary(results["first_audio_round1"]),
@@ -277,6 +305,11 @@ def main() -> None:
     parser.add_argument("--num-frames", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--encoder-frames", type=int, default=32)
+    parser.add_argument(
+        "--compare-before",
+        action="store_true",
+        help="run the levels again with the omni engine's encode_ahead off (frames encoded when a question asks)",
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "video_chat_gpu.json")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -307,44 +340,68 @@ def main() -> None:
         "duration_s_per_level": args.duration,
         "num_frames": args.num_frames,
         "max_new_tokens": args.max_new_tokens,
-        "levels": [],
     }
     if hasattr(os, "getloadavg"):
         report["load_before"] = os.getloadavg()
     with serve(settings) as server:
         engine = server.app.state.omni_engine
         report["tokens_per_frame"] = engine.info.tokens_per_frame
-        for sessions in levels:
-            tokens, steps, rows = engine.tokens_total, engine.steps, engine.decode_rows_total
-            prefill_tokens, started = engine.prefill_tokens_total, time.perf_counter()
-            forwards, prompts, padded = (
-                engine.stats.prefill_forwards,
-                engine.stats.prefilled_prompts,
-                engine.stats.padded_steps,
-            )
-            result = asyncio.run(level(server.ws_url, sessions, frames, args))
-            wall = time.perf_counter() - started
-            # One decode step advances every answer in flight by a token: the token rate is shared by them all.
-            result["omni_steps"] = engine.steps - steps
-            result["omni_tokens"] = engine.tokens_total - tokens
-            result["omni_tokens_per_s"] = round(result["omni_tokens"] / wall, 1)
-            result["omni_steps_per_s"] = round(result["omni_steps"] / wall, 1)
-            result["omni_answers_per_step"] = round((engine.decode_rows_total - rows) / max(1, result["omni_steps"]), 2)
-            result["omni_prefill_tokens"] = engine.prefill_tokens_total - prefill_tokens
-            # Several questions' prompts share one prefill forward; padded steps replay a captured graph on CUDA.
-            result["omni_prefill_forwards"] = engine.stats.prefill_forwards - forwards
-            result["omni_prompts_per_prefill"] = round(
-                (engine.stats.prefilled_prompts - prompts) / max(1, result["omni_prefill_forwards"]), 2
-            )
-            result["omni_padded_steps"] = engine.stats.padded_steps - padded
-            result["level_wall_s"] = round(wall, 1)
-            print(json.dumps(result), flush=True)
-            report["levels"].append(result)
+        passes = [("levels", True), ("levels_before", False)] if args.compare_before else [("levels", True)]
+        for key, ahead in passes:
+            engine.ahead_enabled = ahead
+            report[key] = [run_level(server, engine, sessions, frames, args) for sessions in levels]
+        engine.ahead_enabled = True
         report["encoder"] = encoder_cost(engine, args.encoder_frames)
         print(json.dumps(report["encoder"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+# The thinker's counters whose change over a level is reported (``omni_`` and the name; seconds rounded to ms).
+WORKER_COUNTERS = (
+    "frames_encoded_total",
+    "frames_ahead_total",
+    "frames_ahead_dropped_total",
+    "frames_reused_total",
+    "encode_ahead_seconds_total",
+    "encode_seconds_total",
+    "prefill_seconds_total",
+    "decode_seconds_total",
+)
+
+
+def run_level(server: Any, engine: Any, sessions: int, frames: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One level of ``sessions`` clients, with the thinker's counters over it."""
+    tokens, steps, rows = engine.tokens_total, engine.steps, engine.decode_rows_total
+    prefill_tokens, started = engine.prefill_tokens_total, time.perf_counter()
+    forwards, prompts, padded = (
+        engine.stats.prefill_forwards,
+        engine.stats.prefilled_prompts,
+        engine.stats.padded_steps,
+    )
+    counters = {name: getattr(engine, name) for name in WORKER_COUNTERS}
+    result = asyncio.run(level(server.ws_url, sessions, frames, args))
+    wall = time.perf_counter() - started
+    result["encode_ahead"] = engine.ahead_enabled
+    for name, before in counters.items():
+        result["omni_" + name.removesuffix("_total")] = round(getattr(engine, name) - before, 3)
+    # One decode step advances every answer in flight by a token: the token rate is shared by them all.
+    result["omni_steps"] = engine.steps - steps
+    result["omni_tokens"] = engine.tokens_total - tokens
+    result["omni_tokens_per_s"] = round(result["omni_tokens"] / wall, 1)
+    result["omni_steps_per_s"] = round(result["omni_steps"] / wall, 1)
+    result["omni_answers_per_step"] = round((engine.decode_rows_total - rows) / max(1, result["omni_steps"]), 2)
+    result["omni_prefill_tokens"] = engine.prefill_tokens_total - prefill_tokens
+    # Several questions' prompts share one prefill forward; padded steps replay a captured graph on CUDA.
+    result["omni_prefill_forwards"] = engine.stats.prefill_forwards - forwards
+    result["omni_prompts_per_prefill"] = round(
+        (engine.stats.prefilled_prompts - prompts) / max(1, result["omni_prefill_forwards"]), 2
+    )
+    result["omni_padded_steps"] = engine.stats.padded_steps - padded
+    result["level_wall_s"] = round(wall, 1)
+    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ from PIL import Image, ImageFile
 from websockets.asyncio.client import ClientConnection, connect
 
 from omnigate.engines.omni.engine import OmniEngine
+from omnigate.engines.omni.request import EncoderCache
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.video_chat import frames
+from omnigate.gateway.video_chat.image_budget import FrameBudget
 from omnigate.sessions.video_chat import Action, DecodedFrame, VideoChatSession
 from tests import image_bombs
 from tests.fuzz.server import settle
@@ -142,12 +144,43 @@ async def test_unchanged_frames_reuse_their_vision_tokens(chat_server: RunningSe
         before = chat_server.call(lambda: (engine.frames_encoded_total, engine.frames_reused_total))
         await send(ws, "video.query", text="first")
         await until_terminal(ws, 0, "response.text.done")
+        first = chat_server.call(lambda: (engine.frames_encoded_total, engine.frames_reused_total))
         await send(ws, "video.query", text="second, same frames")
         await until_terminal(ws, 1, "response.text.done")
         after = chat_server.call(lambda: (engine.frames_encoded_total, engine.frames_reused_total))
+    assert isinstance(before, tuple) and isinstance(first, tuple) and isinstance(after, tuple)
+    assert after[0] - before[0] == 2  # each frame encoded once (as it arrived, or for the first query)
+    assert after[1] - first[1] == 2  # and reused by the second query
+
+
+async def test_frames_sent_before_a_question_are_encoded_before_it_is_asked(
+    chat_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = omni(chat_server)
+    pictures = [jpeg(121), jpeg(122)]  # seeds no other test sends
+    # The digests the server gives these frames (of their pixels at the model's frame size).
+    digests = {frames.decode_frame(p, engine.info.frame_size, FrameBudget()).frame.digest for p in pictures}
+    stored = threading.Event()
+    put = EncoderCache.put
+
+    def watched_put(cache: EncoderCache, digest: bytes, tokens: Any) -> None:
+        put(cache, digest, tokens)
+        if all(d in cache for d in digests):
+            stored.set()
+
+    monkeypatch.setattr(EncoderCache, "put", watched_put)
+    async with connect(chat_server.ws_url + ROUTE) as ws:
+        await send(ws, "session.config", num_frames=2, enable_frame_filter=False, modalities=["text"], max_new_tokens=4)
+        before = chat_server.call(lambda: (engine.frames_ahead_total, engine.frames_encoded_total))
+        for picture in pictures:
+            await send(ws, "video.frame", data=picture)
+        assert await asyncio.to_thread(stored.wait, 60), "the frames were not encoded before a question asked"
+        await send(ws, "video.query", text="what changed?")
+        events = await until_terminal(ws, 0, "response.text.done")
+        after = chat_server.call(lambda: (engine.frames_ahead_total, engine.frames_encoded_total))
+    assert events[0] == {"type": "response.start", "query_id": 0, "frames": 2}
     assert isinstance(before, tuple) and isinstance(after, tuple)
-    assert after[0] - before[0] == 2  # each frame encoded once
-    assert after[1] - before[1] == 2  # and reused by the second query
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)  # both encoded ahead; the question encoded none
 
 
 async def test_inputs_beyond_their_bounds_and_bad_inputs_are_refused_typed(chat_server: RunningServer) -> None:

@@ -9,6 +9,11 @@ never holds up another session's first token for more than one step. Each sessio
 frame whose digest was encoded before (an unchanged camera picture) reuses its vision tokens instead of running the
 encoder.
 
+Frames are also encoded as they arrive (:meth:`OmniEngine.encode_ahead`), before any question samples them: the
+worker encodes them between its steps, newest first, into the session's cache, so a question's prefill finds its
+vision tokens ready. A loop with nothing else to do encodes a few in one call; while answers are in flight, one frame
+at a time, so a decode step waits at most one frame's encoding; either way at most a share of the worker's time.
+
 Outputs reach the caller's sink on its event loop (``call_soon_threadsafe``); a cancelled query produces nothing
 more, and every query that was admitted ends with exactly one :class:`ThinkDone`. A prompt longer than the context
 (``max_context``) ends with the typed error ``context_length_exceeded``; an answer that fills its slot ends with
@@ -22,6 +27,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +37,8 @@ from omnigate.engines.omni.model import DEFAULT_MAX_CONTEXT, OmniModel, load_omn
 from omnigate.engines.omni.request import (
     AUDIO_RATE,
     CONTEXT_LENGTH_EXCEEDED,
+    EncoderCache,
+    FrameInput,
     OmniInfo,
     TextDelta,
     ThinkDone,
@@ -49,6 +57,21 @@ log = logging.getLogger(__name__)
 # 16 questions of 4 frames each (~650 tokens a question) starts in one or two loops, and the answers in flight wait
 # at most one such forward (~0.1 s on an H200 for the 3B shape) for their next token.
 PREFILL_TOKENS_PER_STEP = 8192
+# New frames (not in their session's encoder cache) one loop encodes for the prompts it prefills (at least one
+# prompt's): the answers in flight wait at most this many frames' encoding (~7 ms a frame on an H200) for their next
+# token, not a whole burst's.
+PREFILL_FRAMES_PER_STEP = 16
+# Frames encoded ahead of their question: a loop with nothing else to do encodes at most this many in one call (a
+# question arriving meanwhile waits for that call only), and such calls take at most this share of the worker's
+# time: a camera whose every frame is new (2 a second, 64 sessions: ~1 s of encoder a second) must not take the GPU
+# from the talker beside the thinker ...
+AHEAD_FRAMES_IDLE = 8
+AHEAD_IDLE_SHARE = 0.5
+# ... and while answers are in flight one frame at a time, at most this share of the worker's time.
+AHEAD_BUSY_SHARE = 0.25
+# Frames waiting to be encoded ahead, every session's together; beyond it the oldest are forgotten (a question that
+# samples one encodes it in its prefill, as it would without encoding ahead).
+AHEAD_QUEUE_FRAMES = 512
 
 
 @dataclass(eq=False)
@@ -86,9 +109,10 @@ class ThinkJob:
 class OmniEngine:
     """Runs queries of every session on one worker thread. ``submit`` and ``cancel`` never block.
 
-    ``max_sessions`` answers at once (default: one per slot of the model's cache, at most that many)."""
+    ``max_sessions`` answers at once (default: one per slot of the model's cache, at most that many); ``encode_ahead``
+    turns encoding frames as they arrive on or off."""
 
-    def __init__(self, model: OmniModel, *, max_sessions: int | None = None) -> None:
+    def __init__(self, model: OmniModel, *, max_sessions: int | None = None, encode_ahead: bool = True) -> None:
         sessions = model.slots if max_sessions is None else max_sessions
         if not 0 < sessions <= model.slots:
             raise ValueError(f"max_sessions {sessions} must be between 1 and the model's {model.slots} cache slots")
@@ -105,12 +129,20 @@ class OmniEngine:
         self._pending: list[ThinkJob] = []
         self._running: list[ThinkJob] = []
         self._free_slots = list(range(sessions))[::-1]  # worker thread only; the lowest slot is taken first
+        self.ahead_enabled = encode_ahead
+        self._ahead: deque[tuple[FrameInput, EncoderCache]] = deque(maxlen=AHEAD_QUEUE_FRAMES)
+        self._ahead_next_at = 0.0  # no frame is encoded ahead before this time (perf_counter)
         self._stopping = False
         self._thread: threading.Thread | None = None
         # counters (read by metrics and benchmarks)
         self.frames_encoded_total = 0
         self.frames_reused_total = 0
         self.encode_seconds_total = 0.0
+        self.frames_ahead_total = 0  # frames encoded ahead of their question (also in frames_encoded_total)
+        self.frames_ahead_dropped_total = 0  # forgotten unencoded: the queue was full
+        self.encode_ahead_seconds_total = 0.0
+        self.prefill_seconds_total = 0.0  # prefill forwards (their frames' encoding is in encode_seconds_total)
+        self.decode_seconds_total = 0.0  # decode steps, sampling included
         self.tokens_total = 0
         self.steps = 0  # batched decode steps
         self.decode_rows_total = 0  # answers advanced, summed over the steps (÷ steps: the mean batch)
@@ -120,12 +152,16 @@ class OmniEngine:
     @classmethod
     def load(cls, spec: str, **options: str) -> OmniEngine:
         """``--omni-model SPEC`` with ``--omni-option`` values: device, dtype, seed, max_sessions, frame_size,
-        max_context (tokens of one answer's prompt and answer together, default 4096)."""
-        known = {"device", "dtype", "seed", "max_sessions", "frame_size", "max_context"}
+        max_context (tokens of one answer's prompt and answer together, default 4096), encode_ahead (on or off:
+        encode camera frames as they arrive, default on)."""
+        known = {"device", "dtype", "seed", "max_sessions", "frame_size", "max_context", "encode_ahead"}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown omni option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         sessions = int(options.get("max_sessions", "16"))
+        ahead = options.get("encode_ahead", "on")
+        if ahead not in ("on", "off"):
+            raise ValueError(f"encode_ahead must be on or off, not {ahead!r}")
         model = load_omni_model(
             spec,
             seed=int(options.get("seed", "0")),
@@ -136,7 +172,7 @@ class OmniEngine:
             max_context=int(options.get("max_context", str(DEFAULT_MAX_CONTEXT))),
         )
         model.warm_up()
-        return cls(model, max_sessions=sessions)
+        return cls(model, max_sessions=sessions, encode_ahead=ahead == "on")
 
     @property
     def active(self) -> int:
@@ -176,16 +212,43 @@ class OmniEngine:
             self._wake.notify()
         return job
 
+    def encode_ahead(self, frame: FrameInput, cache: EncoderCache) -> None:
+        """A camera frame a question may sample: the worker encodes it into ``cache`` (the session's) when it has
+        room, before any question asks for it. Never blocks; the frames of a full queue are forgotten oldest first."""
+        if not self.ahead_enabled:
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            if len(self._ahead) == self._ahead.maxlen:
+                self.frames_ahead_dropped_total += 1
+            self._ahead.append((frame, cache))
+            self._wake.notify()
+
+    def forget_frames(self, cache: EncoderCache) -> None:
+        """Drop the frames waiting to be encoded ahead into ``cache`` (its session ended)."""
+        with self._lock:
+            kept = [entry for entry in self._ahead if entry[1] is not cache]
+            self._ahead.clear()
+            self._ahead.extend(kept)
+
     # ---- worker -----------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._lock:
                 while not self._stopping and not self._pending and not self._running:
-                    self._wake.wait()
+                    if not self._ahead:
+                        self._wake.wait()
+                        continue
+                    pause = self._ahead_next_at - time.perf_counter()
+                    if pause <= 0:
+                        break
+                    self._wake.wait(pause)  # the frames waiting to be encoded ahead keep to their share
                 if self._stopping:
                     jobs = self._pending + self._running
                     self._pending, self._running = [], []
+                    self._ahead.clear()
                     for job in jobs:
                         self._finish(job, "cancelled")
                     return
@@ -197,27 +260,73 @@ class OmniEngine:
             running = [j for j in running if not j.done]
             waiting: list[ThinkJob] = []
             taken: list[ThinkJob] = []
-            planned = 0
+            planned = frames = 0
             for job in admitted:
                 if job.cancelled:
                     self._finish(job, "cancelled")
-                elif len(taken) >= len(self._free_slots) or (taken and planned >= PREFILL_TOKENS_PER_STEP):
+                    continue
+                new_frames = self._new_frames(job.request)
+                over = planned >= PREFILL_TOKENS_PER_STEP or frames + new_frames > PREFILL_FRAMES_PER_STEP
+                if len(taken) >= len(self._free_slots) or (taken and over):
                     # No free slot: a job cancelled after this step began still holds its own (the next step frees
                     # it). Over the budget: the answers in flight get their next token before more prefills.
                     waiting.append(job)
                 else:
                     taken.append(job)
                     planned += self._prompt_estimate(job.request)
+                    frames += new_frames
             prefilled, prompts = self._prefill(taken) if taken else (0, 0)
             running.extend(job for job in taken if not job.done)
             rows = len(running)
             padded = False
             if running:
+                step_started = time.perf_counter()
                 padded = self._step(running)
-            self.stats.record_loop(rows, prefilled, prompts, padded=padded)
+                self.decode_seconds_total += time.perf_counter() - step_started
+            if rows or prompts:
+                self.stats.record_loop(rows, prefilled, prompts, padded=padded)
             with self._lock:
                 self._running = [j for j in running if not j.done]
                 self._pending[:0] = waiting
+                busy = bool(self._running or self._pending)
+            self._encode_ahead(busy)
+
+    def _new_frames(self, request: ThinkRequest) -> int:
+        """The request's frames its prefill would encode (not in its session's cache)."""
+        cache = request.cache
+        return sum(1 for f in request.frames if cache is None or f.digest not in cache)
+
+    def _encode_ahead(self, busy: bool) -> None:
+        """Encode the newest frames waiting to be encoded ahead, under the loop's budget: ``AHEAD_FRAMES_IDLE`` in
+        one call when nothing else waits, else one frame; then nothing more ahead until the calls' time is the share
+        (``AHEAD_IDLE_SHARE``, ``AHEAD_BUSY_SHARE``) of the worker's time since."""
+        if time.perf_counter() < self._ahead_next_at:
+            return
+        limit = 1 if busy else AHEAD_FRAMES_IDLE
+        batch: list[tuple[FrameInput, EncoderCache]] = []
+        with self._lock:
+            while self._ahead and len(batch) < limit:
+                frame, cache = self._ahead.pop()  # the newest first: every question samples its newest frame
+                if frame.digest in cache or any(c is cache and f.digest == frame.digest for f, c in batch):
+                    continue  # encoded already (an unchanged picture, or asked about since)
+                batch.append((frame, cache))
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            encoded = self.model.encode_frames([frame.pixels for frame, _ in batch])
+            self.model.synchronize()  # its time is the decode steps' wait
+        except Exception:
+            log.exception("omni frame encoding ahead failed")  # a question sampling them encodes them in its prefill
+            return
+        elapsed = time.perf_counter() - started
+        for (frame, cache), tokens in zip(batch, encoded, strict=True):
+            cache.put(frame.digest, tokens)
+        self.frames_ahead_total += len(batch)
+        self.frames_encoded_total += len(batch)
+        self.encode_ahead_seconds_total += elapsed
+        share = AHEAD_BUSY_SHARE if busy else AHEAD_IDLE_SHARE
+        self._ahead_next_at = time.perf_counter() + elapsed * (1.0 / share - 1.0)
 
     def _prompt_estimate(self, request: ThinkRequest) -> int:
         """The prompt's tokens before encoding anything (audio at 25 tokens a second, rounded up): its share of a
@@ -259,14 +368,18 @@ class OmniEngine:
         if not ready:
             return 0, 0
         slots = [job.slot for job, _ in ready]
+        forward_started = time.perf_counter()
         try:
             logits = self.model.prefill_many([s for s in slots if s is not None], [e for _, e in ready])
+            self.model.synchronize()  # the step after it waits for it anyway; timed apart from the encoder
         except Exception as exc:
             log.exception("omni prefill failed")
             for job, _ in ready:
                 self._finish(job, "error", f"{type(exc).__name__}: {exc}")
             return 0, 0
-        elapsed = time.perf_counter() - started
+        finished = time.perf_counter()
+        self.prefill_seconds_total += finished - forward_started
+        elapsed = finished - started
         tokens = 0
         for (job, embeds), row in zip(ready, logits, strict=True):
             job.logits = row
@@ -297,6 +410,7 @@ class OmniEngine:
         if missing:
             started = time.perf_counter()
             encoded = self.model.encode_frames([requests[i].frames[j].pixels for i, j in missing])
+            self.model.synchronize()
             self.encode_seconds_total += time.perf_counter() - started
             self.frames_encoded_total += len(missing)
             for (i, j), tokens in zip(missing, encoded, strict=True):

@@ -196,6 +196,11 @@ class OmniModel:
         out = self.thinker.get_image_features(pixels, grid_thw)
         return [t.detach() for t in out.pooler_output]
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (nothing to wait for on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run every stage once before the first question: the vision and audio encoders, a prefill and decode steps
@@ -221,8 +226,7 @@ class OmniModel:
             self.cache.reset(slot)
         if self.padded_decode:
             self.decode_steps.capture(self.cache.scratch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.synchronize()
 
     @torch.inference_mode()
     def encode_audio(self, pcm16: bytes) -> torch.Tensor:

@@ -75,6 +75,10 @@ class EncoderCache:
             self.misses += 1
         return tokens
 
+    def __contains__(self, digest: object) -> bool:
+        """Whether the frame's tokens are held (not counted as a hit or a miss, and not refreshed)."""
+        return digest in self._entries
+
     def put(self, digest: bytes, tokens: torch.Tensor) -> None:
         self._entries[digest] = tokens
         self._entries.move_to_end(digest)

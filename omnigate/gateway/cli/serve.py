@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="omni engine option, repeatable: device=cuda, dtype=bfloat16, seed=0, max_sessions=16, frame_size=336 "
         "(frames are resized to this square, a multiple of 28), max_context=4096 (tokens of one answer's prompt and "
-        "answer; the key/value cache holds max_sessions of them)",
+        "answer; the key/value cache holds max_sessions of them), encode_ahead=on (encode camera frames as they "
+        "arrive, before a question samples them; off: when a question asks)",
     )
     omni.add_argument(
         "--video-chat-max-frame-pixels",

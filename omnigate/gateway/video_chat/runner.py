@@ -169,6 +169,7 @@ class VideoChatRunner:
         self._pump.cancel()
         await asyncio.wait([self._pump])  # a pump that died has ended the session already
         await self.decoder.close()
+        self.engine.forget_frames(self.encoder_cache)
         self.driver.release()
 
     # ---- internals --------------------------------------------------------------------------------------------
@@ -239,7 +240,11 @@ class VideoChatRunner:
         self._apply(self.session.on_think(query, outputs))
 
     def _on_frame(self, frame: DecodedFrame) -> None:
-        self._apply(self.session.on_frame(frame))
+        actions = self.session.on_frame(frame)
+        if self.session.ring and self.session.ring[-1] is frame:
+            # Kept for questions to sample (not filtered out): encoded now, so a question finds its tokens ready.
+            self.engine.encode_ahead(frame.frame, self.encoder_cache)
+        self._apply(actions)
 
     def _on_frame_refused(self, code: str, message: str) -> None:
         self._apply(self.session.on_frame_failed(code, message))
