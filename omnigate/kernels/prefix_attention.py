@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -11,6 +12,8 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omnigate.kernels.backend import use_triton
+
+log = logging.getLogger(__name__)
 
 
 def key_bias(valid: torch.Tensor, extra: int) -> torch.Tensor:
@@ -52,12 +55,25 @@ def prefix_attention(
 ) -> torch.Tensor:
     """:func:`prefix_attention_reference` as a split-KV Triton kernel on CUDA (two launches, no host sync: safe in a
     CUDA graph). For a few hundred rows over several hundred keys a library's flash kernel fills a handful of
-    multiprocessors and runs its key blocks one after another; this one spreads the keys over the whole GPU."""
+    multiprocessors and runs its key blocks one after another; this one spreads the keys over the whole GPU.
+
+    A GPU the kernel does not fit (too little shared memory for its blocks) gets the reference, said once in the log:
+    the first call of each shape is made before any CUDA graph capture, so the choice is settled by then."""
     head_dim = query.shape[-1]
     aligned = query.stride(-1) == 1 and keys.stride(-1) == 1 and values.stride(-1) == 1 and key_bias.stride(-1) == 1
-    if use_triton(query) and aligned and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+    unfit = (query.device, query.dtype, head_dim) in _UNFIT
+    if use_triton(query) and aligned and not unfit and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
         from omnigate.kernels import triton_policy_kernels
 
-        out: torch.Tensor = triton_policy_kernels.prefix_attention(query, keys, values, key_bias)
-        return out
+        try:
+            out: torch.Tensor = triton_policy_kernels.prefix_attention(query, keys, values, key_bias)
+        except triton_policy_kernels.KERNEL_UNFIT as exc:
+            log.warning("prefix attention kernel does not fit this GPU (%s); using SDPA", exc)
+            _UNFIT.add((query.device, query.dtype, head_dim))
+        else:
+            return out
     return prefix_attention_reference(query, keys, values, key_bias)
+
+
+# (device, dtype, head size) the Triton kernel could not be compiled or launched for
+_UNFIT: set[tuple[torch.device, torch.dtype, int]] = set()

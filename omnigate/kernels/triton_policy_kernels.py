@@ -13,6 +13,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+# What a GPU too small for a kernel's blocks raises at its first launch (the shared memory or registers it needs).
+KERNEL_UNFIT = (OutOfResources, CompilationError)
 
 # Programs the split-KV attention aims to launch per call: enough for every multiprocessor to hold two.
 _PROGRAMS_PER_SM = 2

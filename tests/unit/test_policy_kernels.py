@@ -101,3 +101,26 @@ def test_the_gelu_tanh_mul_kernel_matches_its_reference() -> None:
     gate_up = (torch.randn(5, 2 * 1100, generator=torch.Generator().manual_seed(2)) * 3).to(DEVICE, LOW)
     out = triton_policy_kernels.gelu_tanh_mul(gate_up)
     assert relative_error(out, gelu_tanh_mul_reference(gate_up)) < (1e-2 if ON_GPU else 1e-6)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton installed")
+def test_a_gpu_the_attention_kernel_does_not_fit_gets_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.errors import OutOfResources
+
+    from omnigate.kernels import prefix_attention as op
+    from omnigate.kernels import triton_policy_kernels
+
+    calls = []
+
+    def too_large(*args: object) -> torch.Tensor:
+        calls.append(args)
+        raise OutOfResources(262_656, 101_376, "shared memory")
+
+    monkeypatch.setenv("OMNIGATE_KERNELS", "triton")
+    monkeypatch.setattr(triton_policy_kernels, "prefix_attention", too_large)
+    monkeypatch.setattr(op, "_UNFIT", set())
+    query, keys, values, bias = attention_case(2, 3, 2, 32, 50, 4, seed=9)
+    expected = prefix_attention_reference(query, keys, values, bias)
+    for _ in range(2):
+        assert torch.equal(op.prefix_attention(query, keys, values, bias), expected)
+    assert len(calls) == 1  # tried once, then the reference without asking again
