@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import sys
@@ -50,9 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--level-s", type=float, default=2.5, help="measured seconds per level (after 0.5 s warm-up)")
     parser.add_argument("--rates", default="10,2", help="control rates (Hz) to find capacity at (empty: none)")
     parser.add_argument("--fused", default="on", help="on: the merged-weight layers; off: the reference layers")
+    parser.add_argument(
+        "--state-cache", default="on", help="on: the state token's keys and values cached; off: recomputed per step"
+    )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H200 SXM)")
     parser.add_argument("--robots", default="1,2,3,4,6,8,12,16,24,32,48,64,96,128", help="robot counts, in order")
     parser.add_argument("--single", type=int, default=60, help="sequential one-robot observations")
+    parser.add_argument(
+        "--per-request-robots", default="1,2,3,4,6,8", help="robot counts served one per request (empty: none)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -236,6 +243,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         max_batch=str(args.max_batch),
         seed=str(args.seed),
         fused=args.fused,
+        state_cache=args.state_cache,
     )
     load_s = time.perf_counter() - started
     info = engine.info
@@ -251,6 +259,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "action_horizon": info.action_horizon,
         "flow_steps": info.flow_steps,
         "fused": engine.fused,
+        "state_cache": engine.state_cache,
+        "kernels": os.environ.get("OMNIGATE_KERNELS", "triton on CUDA"),
         "mfu_peak_tflops": args.peak_tflops,
         "load_and_capture_s": load_s,
         "graph_batches": list(engine.graph_batches),
@@ -287,8 +297,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     report["batched"], report["per_request"] = {}, {}
     for rate in (float(x) for x in args.rates.split(",") if x):
         report["batched"][f"{rate:g}"] = await capacity(engine, observation, rate, args.max_batch, counts, args)
-        per_request_counts = [1, 2, 3, 4, 6, 8]
-        report["per_request"][f"{rate:g}"] = await capacity(engine, observation, rate, 1, per_request_counts, args)
+        per_request_counts = [int(x) for x in args.per_request_robots.split(",") if x]
+        if per_request_counts:
+            report["per_request"][f"{rate:g}"] = await capacity(engine, observation, rate, 1, per_request_counts, args)
     one_p50 = report["one_robot"]["p50_ms"]
     steps = report["step_by_batch"]
     report["targets"] = {

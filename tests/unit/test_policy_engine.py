@@ -115,6 +115,42 @@ def test_a_fused_batch_equals_its_observations_one_by_one(packed_policy: Pi0Poli
             assert _relative_error(batched[i], alone[0]) < 1e-5  # float32; seen 3e-8
 
 
+def test_the_state_cache_samples_what_the_reference_layers_sample(packed_policy: Pi0Policy) -> None:
+    """The state token's keys and values computed once per observation, the action tokens alone at each flow step over
+    the expert's caches: the same function as pi0's masked suffix (the state token never sees the actions)."""
+    for seed in (3, 4):
+        inputs = _varied_inputs(3, seed)
+        with torch.inference_mode():
+            reference = packed_policy.sample_actions(*inputs)
+            cached = packed_policy.sample_actions(*inputs, fused=True, state_cache=True)
+        assert torch.isfinite(cached).all()
+        assert _relative_error(cached, reference) < 1e-5  # float32 on the CPU; seen 4e-8
+
+
+def test_a_state_cached_batch_equals_its_observations_one_by_one(packed_policy: Pi0Policy) -> None:
+    inputs = _varied_inputs(4, seed=5)
+    with torch.inference_mode():
+        batched = packed_policy.sample_actions(*inputs, fused=True, state_cache=True)
+        for i in range(4):
+            alone = packed_policy.sample_actions(*(t[i : i + 1] for t in inputs), fused=True, state_cache=True)
+            assert _relative_error(batched[i], alone[0]) < 1e-5
+
+
+def test_the_state_cache_needs_the_fused_layers(packed_policy: Pi0Policy) -> None:
+    with pytest.raises(ValueError, match="fused"), torch.inference_mode():
+        packed_policy.sample_actions(*_varied_inputs(1, seed=6), state_cache=True)
+
+
+def test_the_engine_serves_with_and_without_the_state_cache_alike() -> None:
+    cached = PolicyEngine.load("preset:tiny", threads="1", seed="5")
+    recomputed = PolicyEngine.load("preset:tiny", threads="1", seed="5", state_cache="off")
+    assert cached.state_cache and not recomputed.state_cache
+    assert not PolicyEngine.load("preset:tiny", threads="1", fused="off").state_cache
+    observations = [observation(8), observation(9, prompt="stack the blocks")]
+    for a, b in zip(cached.step(streams_for(*observations)), recomputed.step(streams_for(*observations)), strict=True):
+        assert np.allclose(a.actions, b.actions, rtol=1e-4, atol=1e-5)
+
+
 def test_the_engine_serves_the_fused_layers_and_the_reference_ones_alike() -> None:
     fused = PolicyEngine.load("preset:tiny", threads="1", seed="4")
     reference = PolicyEngine.load("preset:tiny", threads="1", seed="4", fused="off")

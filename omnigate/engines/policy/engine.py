@@ -15,6 +15,9 @@ the bucket's static inputs and replays it, so a step costs one launch whatever t
 The layers run fused (merged projections, one-kernel norms, residual adds inside the output GEMMs; see
 :meth:`~omnigate.engines.policy.model.Pi0Policy.pack`), which halves the kernels of a step, and most of a small
 batch's step is kernels too small to fill the GPU; ``fused=off`` serves the reference layers, the same function.
+With ``state_cache`` (the default) the state token's keys and values are computed once per observation and each flow
+step runs the action tokens alone over the expert's caches: on CUDA one Triton kernel rotates and writes their keys
+and values, and a split-KV Triton kernel attends over the cache (:mod:`omnigate.kernels.prefix_attention`).
 """
 
 from __future__ import annotations
@@ -70,10 +73,12 @@ class PolicyEngine:
         max_batch: int,
         graphs: bool,
         fused: bool = True,
+        state_cache: bool = True,
         seed: int = 0,
     ) -> None:
         self.policy = policy
         self.fused = fused
+        self.state_cache = fused and state_cache  # the cache runs on the fused layers
         if fused and not policy.packed:
             policy.pack()
         self.dims: Pi0Dims = policy.dims
@@ -115,12 +120,14 @@ class PolicyEngine:
         (float32, bfloat16; default bfloat16 on a GPU), ``cameras`` (presets), ``max_batch``, ``max_sessions``,
         ``control_rate_hz`` (the rate a session is assumed to run at before it is measured or declared),
         ``flow_steps``, ``graphs`` (on/off: CUDA graphs on a GPU), ``fused`` (on/off: the merged-weight layers, or the
-        reference layers one projection at a time), ``seed``, ``threads`` (CPU).
+        reference layers one projection at a time), ``state_cache`` (on/off, with ``fused``: the state token's keys
+        and values computed once per observation and the action tokens' attention over the cache, or the state token
+        recomputed at every flow step under one mask), ``seed``, ``threads`` (CPU).
         """
         spec = spec or "preset:tiny"
         unknown = set(options) - {
             "device", "dtype", "cameras", "max_batch", "max_sessions", "control_rate_hz", "flow_steps", "graphs",
-            "fused", "seed", "threads",
+            "fused", "state_cache", "seed", "threads",
         }  # fmt: skip
         if unknown:
             raise ValueError(f"unknown robot model option(s): {', '.join(sorted(unknown))}")
@@ -166,6 +173,7 @@ class PolicyEngine:
             max_batch=max_batch,
             graphs=_switch(options.get("graphs", "on")),
             fused=_switch(options.get("fused", "on")),
+            state_cache=_switch(options.get("state_cache", "on")),
             seed=seed,
         )
 
@@ -257,6 +265,7 @@ class PolicyEngine:
                 device_inputs["state"].to(self.dtype),
                 noise,
                 self.fused,
+                self.state_cache,
             )
         actions = raw[:, :, : self.info.action_dim].float().cpu()
         norm = self.normalization
@@ -278,7 +287,9 @@ class PolicyEngine:
         try:
             with torch.inference_mode():
                 for bucket in reversed(buckets):  # the largest first: the smaller ones reuse its memory pool
-                    self._graphs[bucket] = _GraphedSampler(self.policy, bucket, self.dims, self.dtype, pool, self.fused)
+                    self._graphs[bucket] = _GraphedSampler(
+                        self.policy, bucket, self.dims, self.dtype, pool, self.fused, self.state_cache
+                    )
         except RuntimeError:
             # A kernel that cannot be captured must not take the policy down: it is served eagerly, and said so.
             log.exception("policy CUDA graphs could not be captured; stepping eagerly")
@@ -312,7 +323,14 @@ class _GraphedSampler:
     """``sample_actions`` for a fixed batch size as one CUDA graph with static inputs and output."""
 
     def __init__(
-        self, policy: Pi0Policy, batch: int, dims: Pi0Dims, dtype: torch.dtype, pool: Any, fused: bool
+        self,
+        policy: Pi0Policy,
+        batch: int,
+        dims: Pi0Dims,
+        dtype: torch.dtype,
+        pool: Any,
+        fused: bool,
+        state_cache: bool,
     ) -> None:
         device = next(policy.parameters()).device
         size, cameras = int(dims.vision["image_size"]), dims.cameras
@@ -326,7 +344,13 @@ class _GraphedSampler:
 
         def run() -> torch.Tensor:
             return policy.sample_actions(
-                _pixels(self.images, dtype), self.tokens, self.mask, self.state.to(dtype), self.noise, fused
+                _pixels(self.images, dtype),
+                self.tokens,
+                self.mask,
+                self.state.to(dtype),
+                self.noise,
+                fused,
+                state_cache,
             )
 
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]

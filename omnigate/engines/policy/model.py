@@ -25,6 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GemmaConfig, SiglipVisionConfig
 
+from omnigate.kernels.gelu_mul import gelu_tanh_mul
+from omnigate.kernels.prefix_attention import key_bias, prefix_attention
+from omnigate.kernels.rope import rope_store
+
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -351,11 +355,36 @@ class _GemmaLayer(nn.Module):
             values[:, :, -t:] = v
         q = qk[:, :, :heads].reshape(b, 1, t * heads, dim)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        flat = torch.addmm(x.reshape(b * t, width), attended.reshape(b * t, heads * dim), attn.o_proj.weight.t())
+        return self._fused_output(x, attended), (k, v)
+
+    def fused_over_cache(
+        self, x: torch.Tensor, suffix: _CachedSuffix, cache: KV, kv_only: bool = False
+    ) -> torch.Tensor:
+        """:meth:`fused` for the action expert over its layer's cache (``cache``: keys and values (B, S, 1, D) whose
+        first positions hold the prefix's): ``x``'s keys and values rotated and written at ``suffix.positions`` and
+        its queries rotated, in one kernel; then its attention over the cache's first ``suffix.span`` positions with
+        only the prefix's padding masked (the state token's keys and values are already in the cache, so no row
+        needs a mask of its own). ``kv_only``: stop once the keys and values are written."""
+        b, t, width = x.shape
+        attn = self.self_attn
+        normed = F.rms_norm(x, (width,), self.input_scale, self.input_layernorm.eps)
+        qkv = F.linear(normed.view(b * t, width), self.qkv_weight)
+        keys, values = cache
+        q = rope_store(qkv, suffix.cos, suffix.sin, keys, values, suffix.slots, suffix.positions, attn.heads, 1)
+        if kv_only:
+            return x
+        span = suffix.span
+        query = q.view(b, t, attn.heads, attn.head_dim)
+        attended = prefix_attention(query, keys[:, :span, 0], values[:, :span, 0], suffix.key_bias[:, :span])
+        return self._fused_output(x, attended)
+
+    def _fused_output(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of a fused layer after attention: the output projection with the residual, then the MLP."""
+        b, t, width = x.shape
+        flat = torch.addmm(x.reshape(b * t, width), attended.reshape(b * t, -1), self.self_attn.o_proj.weight.t())
         normed = F.rms_norm(flat, (width,), self.post_attention_scale, self.post_attention_layernorm.eps)
-        gate, up = F.linear(normed, self.gate_up_weight).chunk(2, -1)
-        flat = torch.addmm(flat, F.gelu(gate, approximate="tanh") * up, self.mlp.down_proj.weight.t())
-        return flat.view(b, t, width), (k, v)
+        flat = torch.addmm(flat, gelu_tanh_mul(F.linear(normed, self.gate_up_weight)), self.mlp.down_proj.weight.t())
+        return flat.view(b, t, width)
 
 
 def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -533,6 +562,62 @@ class Pi0Policy(nn.Module):
         x = model.paligemma_with_expert.gemma_expert.model.norm(x)
         return model.action_out_proj(x[:, 1:])  # type: ignore[no-any-return]
 
+    def _denoise_over_cache(
+        self, kv: list[KV], valid: torch.Tensor, state: torch.Tensor, noise: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`denoise` with the state token's keys and values cached (``state_cache``)."""
+        b, horizon, _ = noise.shape
+        prefix = valid.shape[1]
+        caches: list[KV] = []
+        for k, v in kv:  # (B, 1, P, D) each: the cache holds the prefix, then the state token, then the actions
+            keys = torch.empty(b, prefix + 1 + horizon, 1, self._head_dim, device=noise.device, dtype=k.dtype)
+            values = torch.empty_like(keys)
+            keys[:, :prefix, 0] = k[:, 0]
+            values[:, :prefix, 0] = v[:, 0]
+            caches.append((keys, values))
+        bias = key_bias(valid, 1 + horizon)
+        state_rows = self._cached_suffix(valid, 0, 1, bias, noise.dtype)
+        x = self.model.state_proj(state.to(noise.dtype))[:, None]
+        layers = self._expert_layers()
+        for i, (layer, cache) in enumerate(zip(layers, caches, strict=True)):
+            x = layer.fused_over_cache(x, state_rows, cache, kv_only=i == len(layers) - 1)
+        action_rows = self._cached_suffix(valid, 1, horizon, bias, noise.dtype)
+        steps = self.dims.flow_steps
+        dt = -1.0 / steps
+        times = _time_embeddings(1.0, dt, steps, x.shape[-1], noise.device, noise.dtype)
+        x = noise
+        for i in range(steps):
+            x = x + dt * self._velocity_over_cache(caches, x, action_rows, times[i])
+        return x
+
+    def _cached_suffix(
+        self, valid: torch.Tensor, first: int, count: int, bias: torch.Tensor, dtype: torch.dtype
+    ) -> _CachedSuffix:
+        """The rows of suffix tokens ``first .. first + count - 1`` (0: the state token, then the actions)."""
+        b, prefix = valid.shape
+        offsets = first + torch.arange(count, device=valid.device)
+        cos, sin = _rope_tables(valid.long().sum(1, keepdim=True) + offsets, self._head_dim, self._theta, dtype)
+        return _CachedSuffix(
+            cos=cos.reshape(b * count, -1),
+            sin=sin.reshape(b * count, -1),
+            slots=torch.arange(b, device=valid.device).repeat_interleave(count),
+            positions=(prefix + offsets).repeat(b),
+            key_bias=bias,
+            span=prefix + first + count,
+        )
+
+    def _velocity_over_cache(
+        self, caches: list[KV], actions: torch.Tensor, rows: _CachedSuffix, time_emb: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`velocity` of the action tokens alone, over the expert's caches (the state token's in them)."""
+        model = self.model
+        b, horizon, _ = actions.shape
+        mixed = torch.cat([model.action_in_proj(actions), time_emb.expand(b, horizon, -1)], -1)
+        x = model.action_time_mlp_out(F.silu(model.action_time_mlp_in(mixed)))
+        for layer, cache in zip(self._expert_layers(), caches, strict=True):
+            x = layer.fused_over_cache(x, rows, cache)
+        return model.action_out_proj(model.paligemma_with_expert.gemma_expert.model.norm(x))  # type: ignore[no-any-return]
+
     def _suffix(self, valid: torch.Tensor, horizon: int, dtype: torch.dtype, fused: bool) -> _Suffix:
         """The suffix's RoPE tables and attention mask, the same at every flow step."""
         b, length = valid.shape[0], 1 + horizon
@@ -554,20 +639,39 @@ class Pi0Policy(nn.Module):
         state: torch.Tensor,
         noise: torch.Tensor,
         fused: bool = False,
+        state_cache: bool = False,
     ) -> torch.Tensor:
         """Flow-matching sampling in ``flow_steps`` Euler steps from ``noise`` (t = 1) to actions (t = 0).
 
         ``images`` (B, cameras, 3, S, S) in [-1, 1]; ``tokens``/``token_mask`` (B, L); ``state`` (B, max_state_dim),
         already normalized and padded; ``noise`` (B, horizon, max_action_dim). Returns (B, horizon, max_action_dim).
         ``fused``: the merged-weight layers (after :meth:`pack`), the same function in about half the kernels.
+        ``state_cache`` (with ``fused``): the state token's keys and values computed once, not at every flow step
+        (:meth:`denoise`).
         """
         kv, valid = self.prefix_kv(images, tokens, token_mask, fused)
-        return self.denoise(kv, valid, state, noise, fused)
+        return self.denoise(kv, valid, state, noise, fused, state_cache)
 
     def denoise(
-        self, kv: list[KV], valid: torch.Tensor, state: torch.Tensor, noise: torch.Tensor, fused: bool = False
+        self,
+        kv: list[KV],
+        valid: torch.Tensor,
+        state: torch.Tensor,
+        noise: torch.Tensor,
+        fused: bool = False,
+        state_cache: bool = False,
     ) -> torch.Tensor:
-        """The action expert's ``flow_steps`` Euler steps over the prefix's keys and values (:meth:`prefix_kv`)."""
+        """The action expert's ``flow_steps`` Euler steps over the prefix's keys and values (:meth:`prefix_kv`).
+
+        ``state_cache``: the state token sees the prefix and itself, never the actions, and gets no time embedding,
+        so its hidden state, hence its keys and values, are the same at every layer of every flow step. They are
+        computed once (one pass of that token through the expert) and cached after the prefix's; each flow step then
+        runs the action tokens alone, and their attention needs no mask but the prefix's padding.
+        """
+        if state_cache:
+            if not fused:
+                raise ValueError("the state cache runs on the fused layers (fused=True, after pack())")
+            return self._denoise_over_cache(kv, valid, state, noise)
         b, horizon, _ = noise.shape
         heads = 1 if fused else self._expert_heads
         prefix, total = valid.shape[1], valid.shape[1] + 1 + horizon
@@ -595,6 +699,19 @@ class _Suffix:
     rope: KV
     mask: torch.Tensor
     fused: bool
+
+
+@dataclass(frozen=True)
+class _CachedSuffix:
+    """Tokens run over the expert's caches: their rows' RoPE tables (B * T, D), the batch row and cache position each
+    writes its keys and values at (B * T,), the additive key mask (B, S) and how many cache positions they attend."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    key_bias: torch.Tensor
+    span: int
 
 
 def _time_embeddings(
