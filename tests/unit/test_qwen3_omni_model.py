@@ -238,3 +238,31 @@ def test_a_paused_turn_cancelled_stops_at_once_and_frees_its_slot(model: Qwen3Om
     runner.cancel(turn)
     assert runner.step() == []
     assert not runner.busy and runner.free_slots == model.slots
+
+
+def test_steps_run_in_inference_mode_where_the_captured_buffers_live(model: Qwen3OmniModel) -> None:
+    """On CUDA ``capture`` makes the graphs' input buffers and the codec's states in inference mode; a push or a
+    close outside it fails ("Inplace update to inference tensor outside InferenceMode")."""
+    seen: list[tuple[str, bool]] = []
+    stream: Any = model.code2wav
+    push, close = stream.push, stream.close
+
+    def watched_push(*args: Any) -> Any:
+        seen.append(("push", torch.is_inference_mode_enabled()))
+        return push(*args)
+
+    def watched_close(*args: Any) -> Any:
+        seen.append(("close", torch.is_inference_mode_enabled()))
+        return close(*args)
+
+    stream.push, stream.close = watched_push, watched_close
+    try:
+        runner = TurnRunner(model)
+        runner.submit(TurnRequest(prompt=_prompt(model, "hello"), max_tokens=4, max_frames=2))
+        runner.step()
+        runner.step()
+        runner.step()
+        runner.drop_all()
+    finally:
+        del stream.push, stream.close
+    assert {kind for kind, _ in seen} == {"push", "close"} and all(mode for _, mode in seen), seen

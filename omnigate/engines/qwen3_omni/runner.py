@@ -142,12 +142,14 @@ class TurnRunner:
             if turn.id == turn_id and turn.credit is not None:
                 turn.credit = max(turn.credit, frames)
 
+    @torch.inference_mode()  # where the captured graphs' buffers and the codec's row states were made
     def drop_all(self) -> None:
         """Forget every turn (after a failed step), returning their slots and Code2Wav rows."""
         for turn in [*self._pending, *self._running]:
             self._release(turn)
         self._pending = []
 
+    @torch.inference_mode()  # as drop_all: the Code2Wav push and close write buffers made in inference mode
     def step(self) -> list[TurnEvent]:
         """One step of every turn; the events it made, in order."""
         events: list[TurnEvent] = []
