@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from omnigate.engines.base import EngineInfo
 
+ANSWERING_FAMILY = "qwen3-omni"  # the engine family that answers /v1/realtime sessions itself
+
 # One conversation turn: (role, text, the audio tokens of the user's speech or None).
 PromptTurn = tuple[str, str, Any]
 
