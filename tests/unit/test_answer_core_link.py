@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
+import numpy as np
 import pytest
 
 from omnigate.engines.core.answer_protocol import (
@@ -96,3 +98,24 @@ async def test_a_dropped_connection_frees_its_slot_for_another(serving: Qwen3Omn
     assert ended.code is None
     assert not [f for f in first.frames if f.kind is FrameKind.ANSWER_ENDED]  # the dropped answer said nothing more
     other.handle(Frame(FrameKind.ANSWER_CANCEL, 1, b""))  # a late cancel of an answer that ended changes nothing
+
+
+async def test_a_connections_speech_is_encoded_once_for_all_its_answers(serving: Qwen3OmniServing) -> None:
+    encoded: list[int] = []
+    encode = serving.encode_audio
+
+    def counted(pcm: bytes) -> Any:
+        encoded.append(len(pcm))
+        return encode(pcm)
+
+    serving.encode_audio = counted  # type: ignore[method-assign]
+    gateway = Gateway()
+    link = AnswerLink(serving, gateway.send)
+    speech = (np.random.default_rng(0).standard_normal(12_000) * 3000).astype("<i2").tobytes()
+    for call in (1, 2):
+        turns = [TurnIn("user", "", speech, 5), TurnIn("assistant", "hi"), TurnIn("user", "and?")]
+        request = AnswerOpen(turns, "", "ethan", 2, 4)
+        link.handle(Frame(FrameKind.ANSWER_OPEN, call, ENCODER.encode(request)))
+        ended = decode_body((await gateway.until(FrameKind.ANSWER_ENDED, call)).body, AnswerEnded)
+        assert ended.code is None
+    assert encoded == [len(speech)]

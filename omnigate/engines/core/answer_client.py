@@ -1,12 +1,12 @@
 """The gateway side of answers on an engine core: an :class:`AnsweringEngine` whose engine runs in the core.
 
-:func:`connect_answer_core` waits for the core to answer (it may still be loading the model), then a reader task
-hands the core's ``ANSWER_OUTPUTS`` and ``ANSWER_ENDED`` to the answers' sinks on this loop. A user turn's speech is
-not encoded here: :meth:`CoreAnswerClient.encode_audio` keeps the PCM, and the conversation's ``ANSWER_OPEN``
-carries it to the core, which encodes it. What the client sends goes out without waiting, bounded by the session's
-answers (one at a time) and their grants. When the connection drops, every answer in flight ends with
-``engine_unavailable`` and new ones are refused with it, typed, while the client connects again to the core the
-supervisor restarts.
+:func:`connect_answer_core` waits for the core to answer (it may still be loading the model), then a reader task hands
+the core's ``ANSWER_OUTPUTS`` and ``ANSWER_ENDED`` to the answers' sinks on this loop. A user turn's speech is not
+encoded here: :meth:`CoreAnswerClient.encode_audio` keeps the PCM (with an id), and the conversation's ``ANSWER_OPEN``
+carries it to the core, which encodes it once and keeps the encoding by that id. What the client sends goes out
+without waiting, bounded by the session's answers (one at a time) and their grants. When the connection drops, every
+answer in flight ends with ``engine_unavailable`` and new ones are refused with it, typed, while the client connects
+again to the core the supervisor restarts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from omnigate.engines.answering import AnswerSink, PromptTurn
 from omnigate.engines.base import EngineError, EngineInfo
@@ -60,6 +61,14 @@ async def _hello(socket_path: str, timeout_s: float) -> tuple[Connection, Answer
             raise
 
 
+@dataclass(frozen=True, eq=False)
+class Speech:
+    """A user turn's speech as the sessions' backend keeps it: the core encodes it (once, by ``id``)."""
+
+    id: int
+    pcm: bytes
+
+
 class _Handle:
     """An answer in flight (:class:`~omnigate.engines.answering.AnswerHandle`)."""
 
@@ -82,13 +91,14 @@ class CoreAnswerClient:
         self._path = socket_path
         self._poll_interval_s = poll_interval_s
         self._ids = itertools.count(1)
+        self._speech_ids = itertools.count(1)
         self._sinks: dict[int, AnswerSink] = {}  # answers in flight; at most one per session
         self._writer: asyncio.StreamWriter | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(connection), name="answer-core-client")
 
-    def encode_audio(self, pcm: bytes) -> bytes:
-        """The core encodes a turn's speech: it is carried as it is."""
-        return pcm
+    def encode_audio(self, pcm: bytes) -> Speech:
+        """The core encodes a turn's speech: it is carried as it is, with an id of this connection's."""
+        return Speech(next(self._speech_ids), pcm)
 
     def answer(
         self,
@@ -106,7 +116,10 @@ class CoreAnswerClient:
         if self._writer is None:
             raise EngineError(ENGINE_UNAVAILABLE, UNAVAILABLE)
         request = AnswerOpen(
-            turns=[TurnIn(role, text, speech) for role, text, speech in turns],
+            turns=[
+                TurnIn(role, text) if speech is None else TurnIn(role, text, speech.pcm, speech.id)
+                for role, text, speech in turns
+            ],
             instructions=instructions,
             speaker=speaker,
             max_tokens=max_tokens,

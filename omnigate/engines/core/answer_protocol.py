@@ -1,10 +1,10 @@
 """The messages of answers on the engine-core socket (the bodies of the ``ANSWER_*`` frames), msgpack.
 
 An engine that answers a conversation itself (``--engine qwen3-omni``) runs in the core; each gateway worker's
-realtime sessions ask it for answers: the conversation goes in one ``AnswerOpen`` (text, and each user turn's
-speech as 24 kHz s16le PCM, which the core encodes), the answer comes back as ``AnswerOutputs`` (text deltas and
-PCM in order, one message per answer per turn of the core's loop) and one ``AnswerEnded``. Credit crosses as a
-cumulative count of audio chunks (``AnswerGrant``), so a repeated grant changes nothing.
+realtime sessions ask it for answers: the conversation goes in one ``AnswerOpen`` (text, and each user turn's speech
+as 24 kHz s16le PCM, which the core encodes once per connection), the answer comes back as ``AnswerOutputs`` (text
+deltas and PCM in order, one message per answer per turn of the core's loop) and one ``AnswerEnded``. Credit crosses
+as a cumulative count of audio chunks (``AnswerGrant``), so a repeated grant changes nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ class AnswerInfo(msgspec.Struct, frozen=True):
 
 
 class TurnIn(msgspec.Struct, frozen=True, array_like=True):
-    """One turn of the conversation: its role, text, and the user's speech (24 kHz s16le) or None."""
+    """One turn of the conversation: its role, text, and the user's speech (24 kHz s16le) or None, with the id
+    the connection gave that speech (the core keeps its encoding by that id, so later answers do not encode it
+    again)."""
 
     role: str
     text: str
     speech: bytes | None = None
+    speech_id: int = 0
 
 
 class AnswerOpen(msgspec.Struct, frozen=True):

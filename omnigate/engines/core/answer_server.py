@@ -1,6 +1,7 @@
 """The core side of answers: one gateway connection's answers on the core's :class:`AnsweringEngine`.
 
-An ``ANSWER_OPEN`` encodes the conversation's speech off the loop, then submits the answer; the engine's admission
+An ``ANSWER_OPEN`` encodes the conversation's speech off the loop (each speech once: later answers of the
+connection reuse its encoding), then submits the answer; the engine's admission
 (every slot answering: ``engine_busy``) is the core's, shared by every gateway connection, so several gateway
 workers admit exactly the engine's room. What the engine delivers for an answer in one turn of the core's loop
 leaves as one ``ANSWER_OUTPUTS``, its end as ``ANSWER_ENDED``; writes never wait (an answer makes no more audio than
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from omnigate.engines.answering import AnswerHandle, AnsweringEngine, PromptTurn
 from omnigate.engines.base import EngineError
@@ -30,6 +33,10 @@ from omnigate.engines.core.answer_protocol import (
 from omnigate.engines.core.framing import Frame, FrameError, FrameKind, encode_frame
 
 log = logging.getLogger(__name__)
+
+# The encoded speech a connection's answers reuse (by the gateway's speech id), least recently used dropped first:
+# at most this many audio-token rows (about 87 minutes of speech at 12.5 rows a second).
+ENCODED_ROWS = 65_536
 
 Send = Callable[[bytes], None]
 """Writes bytes on the connection without waiting."""
@@ -52,6 +59,8 @@ class AnswerLink:
         self._send = send
         self._answers: dict[int, _Answer] = {}  # by the gateway's answer id; bounded by the engine's slots
         self._pending: list[_Answer] = []  # answers with outputs to flush this loop turn
+        self._encoded: OrderedDict[int, Any] = OrderedDict()  # speech id -> audio tokens; ENCODED_ROWS at most
+        self._encoded_rows = 0
         self._flush_scheduled = False
 
     def handle(self, frame: Frame) -> None:
@@ -100,7 +109,7 @@ class AnswerLink:
             for turn in request.turns:
                 tokens = None
                 if turn.speech is not None:
-                    tokens = await asyncio.to_thread(self._engine.encode_audio, turn.speech)
+                    tokens = await self._encode(turn.speech, turn.speech_id)
                 turns.append((turn.role, turn.text, tokens))
             answer.handle = self._engine.answer(
                 turns,
@@ -120,6 +129,22 @@ class AnswerLink:
             self.finish(answer, AnswerEnded("error", "internal_error", f"{type(exc).__name__}: {exc}"))
         finally:
             answer.starting = None
+
+    async def _encode(self, speech: bytes, speech_id: int) -> Any:
+        cached = self._encoded.get(speech_id)
+        if cached is not None:
+            self._encoded.move_to_end(speech_id)
+            return cached
+        tokens: Any = await asyncio.to_thread(self._engine.encode_audio, speech)
+        rows = len(tokens)
+        if speech_id in self._encoded or rows > ENCODED_ROWS:
+            return tokens  # (encoded meanwhile by another answer, or too long to keep)
+        self._encoded[speech_id] = tokens
+        self._encoded_rows += rows
+        while self._encoded_rows > ENCODED_ROWS:
+            _, dropped = self._encoded.popitem(last=False)
+            self._encoded_rows -= len(dropped)
+        return tokens
 
     def output(self, answer: _Answer, output: TextDelta | AudioChunk) -> None:
         if self._answers.get(answer.call) is not answer:
