@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from omnigate.engines.base import EngineInfo
 
+ANSWERING_FAMILY = "qwen3-omni"  # the engine family that answers /v1/realtime sessions itself
+
 # One conversation turn: (role, text, the audio tokens of the user's speech or None).
 PromptTurn = tuple[str, str, Any]
 
@@ -31,6 +33,10 @@ class AnswerHandle(Protocol):
     def cancel(self) -> None:
         """Stop the answer at once: nothing more of it reaches its sink."""
 
+    def grant(self, chunks: int) -> None:
+        """Let the answer make ``chunks`` audio chunks (:meth:`AnswerSink.audio` calls) in all: a cumulative limit,
+        so a repeated or late grant changes nothing. An answer at its credit pauses until the next grant."""
+
 
 class AnsweringEngine(Protocol):
     info: EngineInfo
@@ -47,5 +53,7 @@ class AnsweringEngine(Protocol):
         speaker: str,
         max_tokens: int,
         max_frames: int,
+        credit: int | None = None,
     ) -> AnswerHandle:
-        """Start answering; raises :class:`~omnigate.engines.base.EngineError` (``engine_busy``, ...)."""
+        """Start answering, at most ``credit`` audio chunks before a grant (None: unbounded); raises
+        :class:`~omnigate.engines.base.EngineError` (``engine_busy``, ...)."""

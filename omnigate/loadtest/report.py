@@ -184,8 +184,9 @@ class LevelReport(msgspec.Struct, frozen=True):
     """What the servers answered, by key (``websocket_extensions``, ``format``, ``content_type`` ...): measured
     sessions per answer."""
     turn_steps_ms: dict[str, Distribution] = {}
-    """Completed conversational turns step by step (the realtime target's talk mode: ``voice_to_voice``,
-    ``end_of_turn``, ``transcription``, ``first_token``, ``first_audio``, ``turn_to_audio``; see its module)."""
+    """Completed conversational turns step by step (the realtime target's talk mode, and turns a model answers
+    itself: ``voice_to_voice``, ``end_of_turn``, ``transcription``, ``first_token``, ``first_audio``,
+    ``turn_to_audio``; see its module)."""
 
 
 class CapacityReport(msgspec.Struct, frozen=True):

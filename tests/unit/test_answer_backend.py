@@ -11,7 +11,7 @@ import pytest
 
 from omnigate.engines.answering import AnswerSink, PromptTurn
 from omnigate.engines.base import EngineCapabilities, EngineError, EngineInfo, VoiceInfo
-from omnigate.gateway.realtime.answer_backend import ModelAnswerBackend
+from omnigate.gateway.realtime.answer_backend import CREDIT_CHUNKS, ModelAnswerBackend
 from omnigate.sessions.realtime.config import ResponseSettings, default_config
 from omnigate.sessions.realtime.conversation import Item, Part, Response, ResponseStatus
 
@@ -30,8 +30,14 @@ SETTINGS = ResponseSettings(("audio",), "ethan", "audio/pcm", None, True, None)
 class Handle:
     cancelled = False
 
+    def __init__(self) -> None:
+        self.grants: list[int] = []
+
     def cancel(self) -> None:
         self.cancelled = True
+
+    def grant(self, chunks: int) -> None:
+        self.grants.append(chunks)
 
 
 class Engine:
@@ -43,6 +49,7 @@ class Engine:
         self.busy = busy
         self.encoded: list[bytes] = []
         self.asked: list[tuple[list[PromptTurn], AnswerSink, Handle]] = []
+        self.credit: list[int | None] = []
         self.asked_event = asyncio.Event()
 
     def encode_audio(self, pcm: bytes) -> Any:
@@ -53,6 +60,7 @@ class Engine:
         if self.busy:
             raise EngineError("engine_busy", "every slot is answering")
         handle = Handle()
+        self.credit.append(how.get("credit"))
         self.asked.append((list(turns), sink, handle))
         self.asked_event.set()
         return handle
@@ -216,3 +224,21 @@ async def test_audio_waits_for_outbox_room_in_order_and_a_cancel_drops_what_wait
     await asyncio.wait_for(sink.done.wait(), 5)  # the loop ran the relay past the cancel
     assert handle.cancelled and sink.audio == [b"\x01\x00"] and sink.text == ["a", "b"]
     assert sink.finished == [("completed", None, None)] * 2
+
+
+async def test_credit_returns_as_audio_reaches_the_outbox() -> None:
+    engine = Engine()
+    backend, sink = await started(engine)
+    backend.answer(response("resp_1"), SETTINGS, [])
+    await asyncio.wait_for(engine.asked_event.wait(), 5)
+    [(_, answer, handle)] = engine.asked
+    assert engine.credit == [CREDIT_CHUNKS]
+    sink.room.clear()
+    answer.audio(b"\x01\x00", 24000)
+    answer.audio(b"\x02\x00", 24000)
+    answer.end("stop", None, None)
+    await asyncio.wait_for(sink.waiting.wait(), 5)
+    assert handle.grants == []  # nothing reached the outbox: no credit back
+    sink.room.set()
+    await asyncio.wait_for(sink.done.wait(), 5)
+    assert handle.grants == [CREDIT_CHUNKS + 1, CREDIT_CHUNKS + 2]

@@ -204,3 +204,65 @@ def test_spoken_turn_equals_transformers_generate_with_the_same_audio(model: Qwe
     assert frames == seen["codes"][0].t().tolist()
     assert len(frames) < len(text)  # the voice ended first; the text went on to its end
     assert done.reason == "length"
+
+
+def test_a_turn_at_its_credit_pauses_and_goes_on_unchanged_when_granted(model: Qwen3OmniModel) -> None:
+    prompt = _prompt(model, "what is two and two?")
+    [(text, frames, done)] = _run(
+        TurnRunner(model), [TurnRequest(prompt=prompt, max_tokens=MAX_TOKENS, max_frames=20)]
+    ).values()
+    assert len(frames) > 6
+    runner = TurnRunner(model)
+    turn = runner.submit(TurnRequest(prompt=prompt, max_tokens=MAX_TOKENS, max_frames=20, credit=3))
+    events = []
+    while runner.ready:
+        events += runner.step()
+    assert [e.event.codes for e in events if isinstance(e.event, AudioFrame)] == frames[:3]
+    assert runner.busy and runner.step() == []  # paused: neither its thinker nor its talker steps
+    runner.grant(turn, 2)  # a lower limit changes nothing
+    assert not runner.ready
+    runner.grant(turn, 1000)
+    while runner.busy:
+        events += runner.step()
+    # The pause changed nothing of the answer: the same tokens, the same codes, one end.
+    assert [e.event.token for e in events if isinstance(e.event, TextToken)] == text
+    assert [e.event.codes for e in events if isinstance(e.event, AudioFrame)] == frames
+    assert [e.event for e in events if isinstance(e.event, TurnDone)] == [done]
+
+
+def test_a_paused_turn_cancelled_stops_at_once_and_frees_its_slot(model: Qwen3OmniModel) -> None:
+    runner = TurnRunner(model)
+    turn = runner.submit(TurnRequest(prompt=_prompt(model, "hello"), max_tokens=MAX_TOKENS, credit=1))
+    while runner.ready:
+        runner.step()
+    runner.cancel(turn)
+    assert runner.step() == []
+    assert not runner.busy and runner.free_slots == model.slots
+
+
+def test_steps_run_in_inference_mode_where_the_captured_buffers_live(model: Qwen3OmniModel) -> None:
+    """On CUDA ``capture`` makes the graphs' input buffers and the codec's states in inference mode; a push or a
+    close outside it fails ("Inplace update to inference tensor outside InferenceMode")."""
+    seen: list[tuple[str, bool]] = []
+    stream: Any = model.code2wav
+    push, close = stream.push, stream.close
+
+    def watched_push(*args: Any) -> Any:
+        seen.append(("push", torch.is_inference_mode_enabled()))
+        return push(*args)
+
+    def watched_close(*args: Any) -> Any:
+        seen.append(("close", torch.is_inference_mode_enabled()))
+        return close(*args)
+
+    stream.push, stream.close = watched_push, watched_close
+    try:
+        runner = TurnRunner(model)
+        runner.submit(TurnRequest(prompt=_prompt(model, "hello"), max_tokens=4, max_frames=2))
+        runner.step()
+        runner.step()
+        runner.step()
+        runner.drop_all()
+    finally:
+        del stream.push, stream.close
+    assert {kind for kind, _ in seen} == {"push", "close"} and all(mode for _, mode in seen), seen

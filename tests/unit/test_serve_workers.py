@@ -72,11 +72,12 @@ def test_engines_loaded_in_each_gateway_process_keep_one_worker(monkeypatch: pyt
     assert serve.gateway_workers(Settings(engine="talker"), "core") == 4
 
 
-def test_the_qwen3_omni_engine_runs_in_one_gateway_process_and_answers_without_an_llm() -> None:
+def test_the_qwen3_omni_engine_runs_inline_or_in_a_core_and_answers_without_an_llm() -> None:
     assert serve.engine_process(Settings(engine="qwen3-omni", engine_options={"device": "cuda"})) == "inline"
-    for refused in (Settings(engine="qwen3-omni", workers=2), Settings(engine="qwen3-omni", engine_process="core")):
-        with pytest.raises(ValueError, match="--engine qwen3-omni runs in the gateway process"):
-            serve.engine_process(refused)
+    for core in (Settings(engine="qwen3-omni", workers=2), Settings(engine="qwen3-omni", engine_process="core")):
+        assert serve.engine_process(core) == "core"
+    with pytest.raises(ValueError, match="--workers above 1 needs --engine-process core"):
+        serve.engine_process(Settings(engine="qwen3-omni", engine_process="inline", workers=2))
     parser = serve.build_parser()
     argv = ["serve", "--engine", "qwen3-omni", "--model", "preset:tiny"]
     assert serve.settings_from_args(parser.parse_args(argv)).responder is None  # no embedded LLM or recognizer

@@ -16,9 +16,10 @@ import signal
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from omnigate.engines.admission import AdmissionSettings
+from omnigate.engines.answering import ANSWERING_FAMILY, AnsweringEngine
 from omnigate.engines.base import Engine
 from omnigate.engines.core.server import serve_core
 from omnigate.engines.registry import load_engine
@@ -33,11 +34,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("omnigate.engines.core")
 
 
-async def _serve(core: ReplicaCore, socket_path: str, duplex: DuplexEngine | None) -> None:
+async def _serve(
+    core: ReplicaCore, socket_path: str, duplex: DuplexEngine | None, answering: AnsweringEngine | None
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    await serve_core(core, socket_path, stop, duplex=duplex)
+    await serve_core(core, socket_path, stop, duplex=duplex, answering=answering)
 
 
 def core_for(engine: Engine, settings: Settings) -> ReplicaCore:
@@ -75,12 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from omnigate.engines.duplex.engine import DuplexEngine
 
         duplex = engine if isinstance(engine, DuplexEngine) else None
+    # An engine that answers conversations itself (qwen3-omni) serves the gateways' realtime answers here.
+    answering = cast(AnsweringEngine, engine) if engine.info.family == ANSWERING_FAMILY else None
     gc.collect()
     gc.freeze()  # the loaded model's objects stay out of the collector's walks (as in the gateway)
     try:
         import uvloop
 
-        uvloop.run(_serve(core, known.socket, duplex))
+        uvloop.run(_serve(core, known.socket, duplex, answering))
     finally:
         core.shutdown()
     return 0

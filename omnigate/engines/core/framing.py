@@ -4,8 +4,10 @@ The bodies are the remote pool's messages (:mod:`omnigate.engines.remote.protoco
 says which call a body belongs to and what it is, so PCM crosses the socket as the bytes of one msgpack ``bin``,
 never pickled and never re-encoded. The ``DUPLEX_*`` kinds serve duplex sessions
 (:mod:`omnigate.engines.core.duplex_protocol`): their call id is the gateway's session id, and user audio crosses
-as the raw PCM body. Every frame is bounded by :data:`MAX_FRAME_BYTES`; a peer that sends a longer
-one, or an unknown kind, is a protocol error and its connection is dropped.
+as the raw PCM body. The ``ANSWER_*`` kinds serve the answers of an engine that answers a conversation itself
+(:mod:`omnigate.engines.core.answer_protocol`): their call id is the gateway's answer id. Every frame is bounded by
+:data:`MAX_FRAME_BYTES`; a peer that sends a longer one, or an unknown kind, is a protocol error and its connection is
+dropped.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024
 
 
 class FrameKind(enum.IntEnum):
-    """What a frame carries. Gateway to core: OPEN, CANCEL, CONTROL, STATS and the duplex calls DUPLEX_HELLO,
-    DUPLEX_OPEN, DUPLEX_AUDIO, DUPLEX_CLEAR, DUPLEX_GRANT, DUPLEX_CLOSE. Core to gateway: the rest."""
+    """What a frame carries. Gateway to core: OPEN, CANCEL, CONTROL, STATS, the duplex calls DUPLEX_HELLO,
+    DUPLEX_OPEN, DUPLEX_AUDIO, DUPLEX_CLEAR, DUPLEX_GRANT, DUPLEX_CLOSE and the answer calls ANSWER_HELLO, ANSWER_OPEN,
+    ANSWER_CANCEL, ANSWER_GRANT. Core to gateway: the rest."""
 
     OPEN = 1  # start a stream call: an ``OpenStream``
     STREAM = 2  # one message of a stream call: ``Opened``, ``Refused`` or ``Outputs``
@@ -43,6 +46,13 @@ class FrameKind(enum.IntEnum):
     DUPLEX_ENDED = 17  # the core ended the session (refused, or its step failed): a ``DuplexEnded``
     DUPLEX_STATS = 18  # the clock's counters (a ``ClockStats``), at most once a second; call 0
     DUPLEX_OPENED = 19  # the session ``call`` holds a slot (the answer to DUPLEX_OPEN that admits it); empty body
+    ANSWER_HELLO = 20  # the connection serves answers (an engine that answers itself): the core says ANSWER_INFO
+    ANSWER_INFO = 21  # an ``AnswerInfo``: the engine's facts
+    ANSWER_OPEN = 22  # answer the conversation of an ``AnswerOpen`` as the answer ``call``
+    ANSWER_CANCEL = 23  # stop the answer ``call`` at once; empty body
+    ANSWER_GRANT = 24  # the answer's session took more audio: an ``AnswerGrant``
+    ANSWER_OUTPUTS = 25  # the answer's text and audio made in one turn of the core's loop: an ``AnswerOutputs``
+    ANSWER_ENDED = 26  # the answer ended (or was refused): an ``AnswerEnded``, last
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)

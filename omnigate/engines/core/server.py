@@ -7,7 +7,8 @@ the stream in the pool and frees its slot at once. CONTROL and STATS are answere
 Writes wait for the socket to drain, so a gateway that stops reading stalls only its own calls, and what waits
 for it is bounded by the credit its streams were granted. The frames queued in one turn of the event loop (one
 engine step's outputs for every stream of the connection) leave in one write. When the core's engine is a duplex
-engine, a connection also serves duplex sessions (``DUPLEX_*`` frames, :class:`DuplexLink`, whose writes never wait).
+engine, a connection also serves duplex sessions (``DUPLEX_*`` frames, :class:`DuplexLink`, whose writes never wait);
+when it answers conversations itself, their answers (``ANSWER_*`` frames, :class:`AnswerLink`, the same).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import os
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
+from omnigate.engines.core.answer_server import AnswerLink
 from omnigate.engines.core.duplex_server import DuplexLink
 from omnigate.engines.core.framing import Frame, FrameDecoder, FrameError, FrameKind, encode_frame
 from omnigate.engines.remote.replica import ReplicaCore
 
 if TYPE_CHECKING:
+    from omnigate.engines.answering import AnsweringEngine
     from omnigate.engines.duplex.engine import DuplexEngine
 
 log = logging.getLogger(__name__)
@@ -40,10 +43,13 @@ class CoreConnection:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         duplex: DuplexEngine | None = None,
+        answering: AnsweringEngine | None = None,
     ) -> None:
         self._core = core
         self._duplex_engine = duplex
         self._duplex: DuplexLink | None = None
+        self._answering = answering
+        self._answers: AnswerLink | None = None
         self._reader = reader
         self._writer = writer
         self._decoder = FrameDecoder()
@@ -65,6 +71,8 @@ class CoreConnection:
         finally:
             if self._duplex is not None:
                 self._duplex.close()
+            if self._answers is not None:
+                self._answers.close()
             tasks = list(self._streams.values())
             for task in tasks:
                 task.cancel()
@@ -78,7 +86,9 @@ class CoreConnection:
         self._writer.transport.abort()
 
     async def _dispatch(self, frame: Frame) -> None:
-        if frame.kind >= FrameKind.DUPLEX_HELLO:
+        if frame.kind >= FrameKind.ANSWER_HELLO:
+            self._answer_link().handle(frame)
+        elif frame.kind >= FrameKind.DUPLEX_HELLO:
             self._duplex_link().handle(frame)
         elif frame.kind is FrameKind.OPEN:
             if frame.call in self._streams:
@@ -105,6 +115,13 @@ class CoreConnection:
             transport = self._writer.transport
             self._duplex = DuplexLink(self._duplex_engine, self._writer.write, transport.get_write_buffer_size)
         return self._duplex
+
+    def _answer_link(self) -> AnswerLink:
+        if self._answers is None:
+            if self._answering is None:
+                raise FrameError("this engine core serves no engine that answers conversations")
+            self._answers = AnswerLink(self._answering, self._writer.write)
+        return self._answers
 
     async def _unary(self, call: int, reply: Awaitable[bytes]) -> None:
         try:
@@ -151,16 +168,17 @@ async def serve_core(
     stop: asyncio.Event,
     ready: asyncio.Event | None = None,
     duplex: DuplexEngine | None = None,
+    answering: AnsweringEngine | None = None,
 ) -> None:
-    """Serve ``core`` on ``socket_path`` until ``stop`` is set (``ready`` is set once it listens), and the duplex
-    sessions of ``duplex``, the core's engine when it is a duplex engine. The socket is readable by this user
-    only."""
+    """Serve ``core`` on ``socket_path`` until ``stop`` is set (``ready`` is set once it listens), the duplex
+    sessions of ``duplex``, the core's engine when it is a duplex engine, and the answers of ``answering``, when it
+    answers conversations itself. The socket is readable by this user only."""
     connections: dict[CoreConnection, asyncio.Task[None]] = {}
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        connection = CoreConnection(core, reader, writer, duplex)
+        connection = CoreConnection(core, reader, writer, duplex, answering)
         connections[connection] = task
         try:
             await connection.serve()

@@ -5,8 +5,10 @@ open assistant turn, the user's audio tokens) with a sink; the worker runs every
 (:class:`~omnigate.engines.qwen3_omni.runner.TurnRunner`: batched prefills under a token budget, one padded thinker
 step, one padded talker frame, one Code2Wav push) and hands each turn, per step, its text delta, its audio as
 24 kHz s16le PCM, and at the end exactly one :class:`TurnEnd`. ``cancel`` stops a turn at once (barge-in,
-``response.cancel``): nothing more of it is delivered, and its slot is free at the next step. A step that raises ends
-every turn in flight with an error, so no session waits on a worker that can no longer answer.
+``response.cancel``): nothing more of it is delivered, and its slot is free at the next step. ``grant`` raises a
+turn's credit (the audio frames it may make in all, :attr:`TurnRequest.credit`): a turn at its credit is paused, not
+stepped, until its session's client takes more. A step that raises ends every turn in flight with an error, so no
+session waits on a worker that can no longer answer.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class TurnHandle:
     def cancel(self) -> None:
         self.engine._cancel(self)
 
+    def grant(self, frames: int) -> None:
+        """Let the turn make ``frames`` audio frames in all (cumulative)."""
+        self.engine._grant(self, frames)
+
 
 def pcm16(audio: np.ndarray) -> bytes:
     """Float samples in [-1, 1] as s16le, clipped."""
@@ -91,6 +97,7 @@ class Qwen3OmniEngine:
         self._wake = threading.Condition(self._lock)
         self._submitted: list[tuple[TurnHandle, TurnRequest]] = []
         self._cancelled: list[TurnHandle] = []
+        self._granted: dict[TurnHandle, int] = {}
         self._live: dict[int, TurnHandle] = {}  # worker thread only
         # Turns that count against max_sessions: a cancelled one no longer does (its slot is freed at the next step,
         # and the turn replacing it, after a barge-in, must not be refused).
@@ -150,17 +157,25 @@ class Qwen3OmniEngine:
             self._cancelled.append(handle)
             self._wake.notify()
 
+    def _grant(self, handle: TurnHandle, frames: int) -> None:
+        with self._lock:
+            if handle.ended:
+                return
+            self._granted[handle] = max(frames, self._granted.get(handle, 0))
+            self._wake.notify()
+
     # ---- worker ----------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._submitted or self._cancelled or self._runner.busy):
+                while not (self._stopping or self._submitted or self._cancelled or self._granted or self._runner.ready):
                     self._wake.wait()
                 if self._stopping:
                     return
                 submitted, self._submitted = self._submitted, []
                 cancelled, self._cancelled = self._cancelled, []
+                granted, self._granted = self._granted, {}
             for handle in cancelled:
                 self._live.pop(handle.id, None)
                 if handle.id >= 0:
@@ -170,6 +185,9 @@ class Qwen3OmniEngine:
                     continue
                 handle.id = self._runner.submit(request)
                 self._live[handle.id] = handle
+            for handle, frames in granted.items():
+                if handle.id >= 0 and not handle.ended:
+                    self._runner.grant(handle.id, frames)
             try:
                 events = self._runner.step()
             except Exception as exc:  # a failed step ends every turn in flight, typed

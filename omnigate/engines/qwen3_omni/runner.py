@@ -7,6 +7,11 @@ writing by one token in one padded decode step, starts the talker of every turn 
 has its next text row by one audio frame (first codebook, code predictor, talker) in one padded frame step. A
 talker consumes the answer one token per frame; when it catches up with a thinker still writing, it waits a step.
 
+A turn may carry credit (:attr:`TurnRequest.credit`, raised by :meth:`TurnRunner.grant`): the audio frames it may
+make in all. A turn whose frames reached its credit is paused: neither its thinker nor its talker steps (its slot and
+Code2Wav row stay) until credit returns, so a session whose client is behind holds a fixed amount of audio, not the
+engine's lead over real time.
+
 What a step returns (:class:`TurnEvent`) is what the engine hands to sessions: text tokens, codec frames, and one
 :class:`TurnDone` per turn. Sampling draws from each turn's own seeded generator, so a turn's tokens do not depend
 on which others share its steps.
@@ -41,6 +46,7 @@ class TurnRequest:
     talker_temperature: float = 0.0
     max_frames: int = 4096
     seed: int = 0
+    credit: int | None = None  # audio frames it may make before a grant (None: unbounded)
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,12 @@ class _Turn:
     text_reason: str = "stop"
     voice_done: bool = False  # the talker said its end of speech (or ran out of frames) before the text ended
     cancelled: bool = False
+    credit: int | None = None  # the frames it may make in all (None: unbounded)
+
+    @property
+    def paused(self) -> bool:
+        """Its voice reached its credit: it waits for a grant."""
+        return self.credit is not None and not self.voice_done and self.frames >= self.credit
 
 
 class TurnRunner:
@@ -102,6 +114,11 @@ class TurnRunner:
         return bool(self._pending or self._running)
 
     @property
+    def ready(self) -> bool:
+        """A step would do something: a turn waits to start, or one running is not paused."""
+        return bool(self._pending) or any(not t.paused for t in self._running)
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
 
@@ -109,7 +126,7 @@ class TurnRunner:
         """Queue a turn; its id names its events."""
         generator = torch.Generator()
         generator.manual_seed(request.seed)
-        turn = _Turn(id=next(self._ids), request=request, generator=generator)
+        turn = _Turn(id=next(self._ids), request=request, generator=generator, credit=request.credit)
         self._pending.append(turn)
         return turn.id
 
@@ -119,12 +136,20 @@ class TurnRunner:
             if turn.id == turn_id:
                 turn.cancelled = True
 
+    def grant(self, turn_id: int, frames: int) -> None:
+        """Let a turn make ``frames`` audio frames in all (a cumulative limit: a lower one changes nothing)."""
+        for turn in itertools.chain(self._pending, self._running):
+            if turn.id == turn_id and turn.credit is not None:
+                turn.credit = max(turn.credit, frames)
+
+    @torch.inference_mode()  # where the captured graphs' buffers and the codec's row states were made
     def drop_all(self) -> None:
         """Forget every turn (after a failed step), returning their slots and Code2Wav rows."""
         for turn in [*self._pending, *self._running]:
             self._release(turn)
         self._pending = []
 
+    @torch.inference_mode()  # as drop_all: the Code2Wav push and close write buffers made in inference mode
     def step(self) -> list[TurnEvent]:
         """One step of every turn; the events it made, in order."""
         events: list[TurnEvent] = []
@@ -195,7 +220,7 @@ class TurnRunner:
 
     def _think(self, events: list[TurnEvent]) -> None:
         model = self.model
-        thinking = [t for t in self._running if t.thinking]
+        thinking = [t for t in self._running if t.thinking and not t.paused]
         if not thinking:
             return
         targets: list[int | None] = []
@@ -270,7 +295,7 @@ class TurnRunner:
         speaking: list[_Turn] = []
         rows: list[torch.Tensor] = []
         for turn in self._running:
-            if turn.talker_logits is None:
+            if turn.talker_logits is None or turn.paused:
                 continue
             row = self._text_row(turn)
             if row is not None:

@@ -10,6 +10,7 @@ sessions call :meth:`Qwen3OmniServing.answer` (the :class:`~omnigate.engines.ans
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,13 +111,15 @@ class Qwen3OmniServing(Engine):
         speaker: str,
         max_tokens: int,
         max_frames: int,
+        credit: int | None = None,
     ) -> AnswerHandle:
-        """Submit the conversation's answer (at most ``max_tokens`` of text, ``max_frames`` codec frames of voice);
-        raises EngineError ``engine_busy`` when every slot answers."""
+        """Submit the conversation's answer (at most ``max_tokens`` of text, ``max_frames`` codec frames of voice,
+        ``credit`` frames before a grant: one audio chunk is one frame); raises EngineError ``engine_busy`` when every
+        slot answers."""
         request = self.prompt(
             turns, instructions=instructions, speaker=speaker, max_tokens=max_tokens, max_frames=max_frames
         )
-        return self.turns.submit(request, lambda outputs: _deliver(outputs, sink))
+        return self.turns.submit(dataclasses.replace(request, credit=credit), lambda outputs: _deliver(outputs, sink))
 
     def prompt(
         self, turns: Sequence[PromptTurn], *, instructions: str, speaker: str, max_tokens: int, max_frames: int

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "extra), talker (a codec-token text-to-speech model on a GPU, --model preset:csm-1b or a checkpoint), "
         "duplex (full-duplex speech-to-speech, Moshi, on /v1/realtime and /v1/duplex), qwen3-omni (Qwen3-Omni "
         "answers /v1/realtime turns itself, spoken or text, in its own voice, with no --llm-url or --asr-url; "
-        "--model preset:tiny, preset:qwen3-omni-30b-a3b or a checkpoint directory; one gateway worker, inline), "
+        "--model preset:tiny, preset:qwen3-omni-30b-a3b or a checkpoint directory; inline in one gateway worker, or "
+        "with --engine-process core its answers carried to --workers N gateway workers), "
         "synthetic (a deterministic tone, a test double for load tests)",
     )
     eng.add_argument(
@@ -556,14 +557,9 @@ def engine_process(settings: Settings) -> str:
                 "replicas run on the Ray cluster"
             )
         return "inline"
-    if settings.engine == "qwen3-omni":
-        # Its sessions drive the engine object itself (conversations in, text and voice out), which neither the
-        # speech stream contract nor an engine core's protocol carries.
-        if choice == "core" or settings.workers > 1:
-            raise ValueError(
-                "--engine qwen3-omni runs in the gateway process: use --engine-process inline, --workers 1"
-            )
-        return "inline"
+    if settings.engine == "qwen3-omni" and choice == "auto":
+        # Inline by default (one gateway process); an engine core carries its answers (``ANSWER_*`` frames) too.
+        return "core" if settings.workers > 1 else "inline"
     if settings.engine == "duplex" and choice == "auto" and settings.workers <= 1:
         # On a GPU the clock must not wait for the GIL that the gateway's loop holds; on a CPU they share cores.
         return "core" if settings.engine_options.get("device", "cpu").startswith("cuda") else "inline"

@@ -3,10 +3,12 @@
 Each committed user turn's audio is kept (by item) and encoded into the model's audio tokens when a response needs
 it, on a thread; ``response.create`` (or a turn server VAD ended) hands the conversation to the engine, whose text
 comes back as the response's transcript and whose voice as its audio (at the engine's rate). The engine makes an
-answer faster than it plays: what the session's outbox has no room for waits here, in order (bounded by the
-answer's frames), and goes on as the transport takes audio, so a client that plays in real time (a WebRTC track)
-is not overrun. Cancelling a response (``response.cancel``, barge-in, a failed outbox) cancels the engine's turn at
-once and drops what waits; truncation is the session core's, against the audio handed to the transport.
+answer faster than it plays: what the session's outbox has no room for waits here, in order, and goes on as the
+transport takes audio, so a client that plays in real time (a WebRTC track) is not overrun. The engine holds credit:
+an answer may make :data:`CREDIT_CHUNKS` audio chunks more than this session has handed to its outbox, and pauses
+(its thinker and talker are not stepped) until the outbox takes more, so what waits here is at most that much audio
+whatever the client's pace. Cancelling a response (``response.cancel``, barge-in, a failed outbox) cancels the
+engine's turn at once and drops what waits; truncation is the session core's, against the audio handed to the transport.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ MAX_ANSWER_TOKENS = 512  # an answer's text tokens when the response sets no max
 # Speech of a text token takes about 4 codec frames (12.5 frames, ~3 tokens a second): twice that bounds an answer's
 # voice, so a voice that does not end (random weights) still ends with its response.
 FRAMES_PER_TOKEN = 8
+# Audio chunks (codec frames: 80 ms each for Qwen3-Omni, 320 ms in all) an answer may be ahead of the outbox.
+CREDIT_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class ModelAnswerBackend(Backend):
         self._response: Response | None = None
         self._task: asyncio.Task[None] | None = None
         self._handle: AnswerHandle | None = None
+        self._handed = 0  # audio chunks of the answer in flight handed to the session
         self._held: deque[tuple[Response, _Output]] = deque()  # the answer's outputs not yet handed to the session
         self._relay: asyncio.Task[None] | None = None
 
@@ -97,6 +102,7 @@ class ModelAnswerBackend(Backend):
             if text or audio is not None:
                 turns.append((item.role, text, audio))
         self._response = response
+        self._handed = 0
         limit = response.max_output_tokens
         task = asyncio.get_running_loop().create_task(
             self._submit(response, turns, settings.voice, min(limit or MAX_ANSWER_TOKENS, MAX_ANSWER_TOKENS)),
@@ -134,6 +140,7 @@ class ModelAnswerBackend(Backend):
                 speaker=speaker,
                 max_tokens=max_tokens,
                 max_frames=FRAMES_PER_TOKEN * max_tokens,
+                credit=CREDIT_CHUNKS,
             )
         except EngineError as exc:
             self._response = None
@@ -175,6 +182,9 @@ class ModelAnswerBackend(Backend):
                 sink.response_text(response, output, 1)
             elif isinstance(output, bytes):
                 sink.response_audio(response, output, self.sample_rate)
+                self._handed += 1
+                if self._handle is not None:
+                    self._handle.grant(self._handed + CREDIT_CHUNKS)
             else:
                 self._ended(response, output.reason, output.code, output.message)
 
@@ -227,7 +237,7 @@ class ModelAnswerBackend(Backend):
         """The session core holds the uncommitted audio."""
 
     def released_audio(self, ms: float) -> None:
-        """The engine is not paced by the outbox: an answer is bounded by its tokens and frames."""
+        """Credit returns as audio is handed to the outbox, which itself waits for room (:meth:`_hand_on`)."""
 
     def release(self) -> None:
         self._stop()

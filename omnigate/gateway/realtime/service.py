@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from omnigate.engines.answering import AnsweringEngine
+from omnigate.engines.answering import ANSWERING_FAMILY, AnsweringEngine
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.engines.registry import load_engine
@@ -35,7 +35,6 @@ from omnigate.sessions.speech import SessionLimits
 
 log = logging.getLogger(__name__)
 
-ANSWERING_FAMILY = "qwen3-omni"  # the engine family that answers /v1/realtime sessions itself
 
 # Model names OpenAI's realtime clients send by default; accepted as aliases of the served engine.
 OPENAI_REALTIME_MODELS = frozenset(
@@ -86,7 +85,8 @@ class RealtimeService:
         self.answerer = answerer  # the main engine answers the conversation itself: it is no TTS engine
         self.tts = None if pool.info.capabilities.duplex or answerer is not None else pool
         self._owns_duplex = owns_duplex
-        self._close_duplex = close_duplex  # a duplex engine served from an engine core: its connection's close
+        # a duplex or answering engine served from an engine core: its connection's close
+        self._close_duplex = close_duplex
         # the LLM and transcription clients of sessions that answer the user (serve --llm-url), None without
         responder = settings.responder if answerer is None else None  # the model answers: no LLM, no recognizer
         self.responder = ResponderClients.start(responder) if responder is not None else None
@@ -203,6 +203,14 @@ async def start_realtime(
             raise ValueError("a duplex main engine runs in this process: it needs the local engine pool")
         return RealtimeService(settings, pool, cast(DuplexEngineApi, pool.engine), owns_duplex=False, reports=reports)
     if pool.info.family == ANSWERING_FAMILY:
+        if settings.core_socket is not None:
+            from omnigate.engines.core.answer_client import connect_answer_core
+
+            answers = await connect_answer_core(settings.core_socket)
+            log.info("%s answers on the engine core: %d slots", answers.info.model, answers.info.max_sessions)
+            return RealtimeService(
+                settings, pool, None, owns_duplex=False, reports=reports, close_duplex=answers.aclose, answerer=answers
+            )
         if not isinstance(pool, EnginePool):
             raise ValueError(f"the {ANSWERING_FAMILY} engine runs in this process: it needs the local engine pool")
         answerer = cast(AnsweringEngine, pool.engine)

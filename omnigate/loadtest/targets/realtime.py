@@ -8,6 +8,12 @@ with the piper voice ``joe-us``: "Could you book a table for two at eight tonigh
   creates an assistant item with the utterance's text and asks for a response, as an agent with its own LLM does;
 - against a natively duplex engine the model answers on its own: the turn's reply is the model audio that follows
   the end of the user's speech, until the response ends or ``reply_ms`` of it has arrived;
+- against an engine that answers the conversation itself (the session's capabilities say ``answers_turns``:
+  ``serve --engine qwen3-omni``) the client only speaks and listens: the server's VAD ends the turn and the model
+  answers it, or with ``commit=1`` the client ends each turn itself, ``input_audio_buffer.commit`` and
+  ``response.create`` right after the speech's last append (turn detection off), so the utterance's TTFA is from the
+  end of the user's turn to the answer's first audio (``max_output_tokens=N`` caps each answer, as the session's
+  setting; also in talk mode); the turns' timings are collected as in talk mode;
 - in talk mode (``talk=1``, a server started with ``--llm-url``) the server answers on its own too: it transcribes
   the turn, asks its LLM and speaks the reply; the client only speaks and listens, at the server's default turn
   detection. The per-turn timings the server reports in ``response.done``'s metadata (``omnigate_*_ms``) are
@@ -30,7 +36,8 @@ barge-in reaction time: from sending the cancel to the last audio delta of that 
 (:attr:`RealtimeTarget.barge_in_ms`).
 
 Client options go in the URL fragment, which never reaches the server:
-``ws://host:8000/v1/realtime?duplex=1#append_ms=20&barge_in_ms=600&reply_ms=3000``, ``...#talk=1``.
+``ws://host:8000/v1/realtime?duplex=1#append_ms=20&barge_in_ms=600&reply_ms=3000``, ``...#talk=1``,
+``...#commit=1``.
 """
 
 from __future__ import annotations
@@ -80,12 +87,16 @@ class RealtimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reply_ms: float = 3000.0
     speech: str | None = None  # a mono 16-bit WAV to speak instead of the built-in recording
     talk: bool = False  # the server answers the user itself (its LLM); the client only speaks and listens
+    commit: bool = False  # against an engine that answers turns: the client commits each turn, no server VAD
+    max_output_tokens: int | None = None  # against a server that answers: the session's cap on each answer
 
     def __post_init__(self) -> None:
         if not 20 <= self.append_ms <= 100:
             raise ValueError("append_ms must be within 20..100")
         if self.reply_ms <= 0 or (self.barge_in_ms is not None and self.barge_in_ms <= 0):
             raise ValueError("reply_ms and barge_in_ms must be positive")
+        if self.max_output_tokens is not None and self.max_output_tokens <= 0:
+            raise ValueError("max_output_tokens must be positive")
 
 
 class RealtimeEvent(msgspec.Struct):
@@ -147,6 +158,7 @@ class _Turn:
 @dataclass(eq=False)
 class _Session:
     duplex: bool = False
+    answers: bool = False  # the engine answers the user's turns itself
     created: asyncio.Event = field(default_factory=asyncio.Event)
     speech_stopped: asyncio.Event = field(default_factory=asyncio.Event)
     turn: _Turn | None = None
@@ -203,7 +215,17 @@ class RealtimeTarget(Target):
             if not await self._wait(state.created, reader, self.settings.connect_timeout_s):
                 trace.error("no_session_created")
                 return
-            if not state.duplex and not self.options.talk:
+            listens = self.options.talk or state.answers  # the server answers: the client speaks and listens
+            commits = state.answers and self.options.commit
+            if listens:
+                session: dict[str, Any] = {}
+                if commits:
+                    session["audio"] = {"input": {"turn_detection": None}}
+                if self.options.max_output_tokens is not None:
+                    session["max_output_tokens"] = self.options.max_output_tokens
+                if session:
+                    await self._send(connection, sending, {"type": "session.update", "session": session})
+            elif not state.duplex and not listens:
                 # The agent composes the replies: the server's VAD only ends the user's turns.
                 turn_detection = {"type": "server_vad", "create_response": False, "interrupt_response": True}
                 update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": turn_detection}}}}
@@ -216,13 +238,19 @@ class RealtimeTarget(Target):
                 utterance = trace.begin_utterance(time.perf_counter(), text)
                 utterance.unit_started(text, RATE)
                 state.speech_stopped.clear()
+                if commits:  # the turn is the speech alone, not the silence appended since the last one
+                    await self._send(connection, sending, {"type": "input_audio_buffer.clear"})
                 speech_end_s = await mic.say(self.speech)
+                if commits:
+                    await self._send(connection, sending, {"type": "input_audio_buffer.commit"})
+                    await self._send(connection, sending, {"type": "response.create"})
                 utterance.text_sent(speech_end_s, len(text))
                 turn = _Turn(utterance, speech_end_s, state.duplex)
                 state.turn = turn
-                if not state.duplex and not await self._wait(state.speech_stopped, reader, _SPEECH_STOP_WAIT_S):
+                vad_ends_turn = not (state.duplex or commits)
+                if vad_ends_turn and not await self._wait(state.speech_stopped, reader, _SPEECH_STOP_WAIT_S):
                     trace.error("no_speech_stopped")
-                if not state.duplex and not self.options.talk:
+                if not state.duplex and not listens:
                     item = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
                     await self._send(connection, sending, {"type": "conversation.item.create", "item": item})
                     await self._send(connection, sending, {"type": "response.create"})
@@ -298,7 +326,9 @@ class RealtimeTarget(Target):
         turn = state.turn
         if kind == "session.created":
             session = event.session or {}
-            state.duplex = bool((session.get("capabilities") or {}).get("native_duplex"))
+            capabilities = session.get("capabilities") or {}
+            state.duplex = bool(capabilities.get("native_duplex"))
+            state.answers = bool(capabilities.get("answers_turns"))
             trace.record_negotiated("format", output_format(session))
             state.created.set()
         elif kind == "input_audio_buffer.speech_stopped":
@@ -340,11 +370,13 @@ class RealtimeTarget(Target):
             status = response.get("status")
             turn.cancelled = status == "cancelled"
             turn.done_s = now_s
-            # A response the client cancelled (barge-in) ended as asked; any other end short of completed was heard
-            # by the user as a cut-off reply.
-            if status == "completed" or (turn.cancelled and turn.cancel_sent_s is not None):
+            # A response the client cancelled (barge-in) or capped (max_output_tokens) ended as asked; any other end
+            # short of completed was heard by the user as a cut-off reply.
+            capped = status == "incomplete" and self.options.max_output_tokens is not None
+            capped = capped and (response.get("status_details") or {}).get("reason") == "max_output_tokens"
+            if status == "completed" or capped or (turn.cancelled and turn.cancel_sent_s is not None):
                 turn.utterance.finish(now_s, "completed")
-                if self.options.talk and status == "completed":
+                if (self.options.talk or state.answers) and status != "cancelled":
                     timings = self._turn_timings(turn, response.get("metadata"))
                     self.turn_timings.append(timings)
                     turn.utterance.steps.update(turn_steps(turn, timings))

@@ -53,6 +53,7 @@ class RealtimeCapabilities(msgspec.Struct, frozen=True):
             voices=list(self.voices),
             output_modalities=list(self.output_modalities),
             audio_formats=list(AUDIO_FORMATS),
+            answers_turns=self.answers_turns,
         )
 
 

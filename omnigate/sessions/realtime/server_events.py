@@ -89,6 +89,7 @@ class WireCapabilities(msgspec.Struct, frozen=True):
     voices: list[str]
     output_modalities: list[str]
     audio_formats: list[str]
+    answers_turns: bool = False  # the engine answers the user's turns itself (no LLM of the client's)
 
 
 class WireSession(msgspec.Struct, frozen=True):

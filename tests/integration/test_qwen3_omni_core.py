@@ -1,0 +1,93 @@
+"""``omnigate serve --engine qwen3-omni --engine-process core --workers 2``: the model in the engine-core process,
+its realtime answers asked for by the gateway workers over the core's socket. Real serve processes, real realtime
+clients; every wait is on a protocol event or on a state the server reports."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_duplex_core import Urls
+from tests.integration.test_engine_core import core_server
+from tests.integration.test_realtime_qwen3_omni import FRAME_BYTES, answered, speech, transcript
+from tests.integration.test_realtime_ws import pcm_of, realtime, recv, until
+
+pytestmark = pytest.mark.slow
+
+OMNI = [
+    *["--engine", "qwen3-omni", "--model", "preset:tiny", "-E", "max_sessions=1", "-E", "max_context=512"],
+    *["--workers", "2"],
+]
+
+
+async def ask(connection: Any, text: str, tokens: int) -> None:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    await connection.conversation.item.create(item=item)
+    await connection.response.create(response={"max_output_tokens": tokens})
+
+
+async def test_spoken_turns_are_answered_by_the_core_and_its_one_slot_is_shared_exactly(tmp_path: Path) -> None:
+    async with core_server(tmp_path, OMNI) as server:
+        await server.wait_workers_started(2)
+        urls = Urls(server.port)
+        async with realtime(urls) as first, realtime(urls) as second:
+            await recv(first)
+            await recv(second)
+            # A spoken turn, its speech encoded in the core: answered in the model's voice.
+            await first.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            await first.input_audio_buffer.append(audio=base64.b64encode(speech(0.5)).decode())
+            await first.input_audio_buffer.commit()
+            await first.response.create(response={"max_output_tokens": 6})
+            events, done = await answered(first)
+            assert done["status"] in ("completed", "incomplete"), done
+            audio = pcm_of(events, done["id"])
+            assert audio and len(audio) % FRAME_BYTES == 0 and transcript(events)
+            # The core's one slot answers one session, whichever worker holds it; the other is refused, typed.
+            await ask(first, "talk a while", 400)
+            await until(first, "response.output_audio.delta")
+            await ask(second, "hello", 4)
+            _, refused = await answered(second)
+            assert refused["status"] == "failed" and refused["status_details"]["error"]["code"] == "engine_busy"
+            await first.response.cancel()
+            _, cancelled = await answered(first)
+            assert cancelled["status"] == "cancelled"
+            await second.response.create(response={"max_output_tokens": 4})
+            events, done = await answered(second)
+            assert done["status"] in ("completed", "incomplete") and pcm_of(events, done["id"])
+
+
+async def test_a_killed_core_fails_the_answer_typed_and_answers_return_with_it(tmp_path: Path) -> None:
+    async with core_server(tmp_path, OMNI) as server:
+        (core_pid,) = server.pids("engine core")
+        async with realtime(Urls(server.port)) as connection:
+            await recv(connection)
+            await ask(connection, "talk a while", 400)
+            await until(connection, "response.output_audio.delta")
+            # The supervisor must not restart the core before the failure below is seen.
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                os.kill(core_pid, signal.SIGKILL)
+                _, failed = await answered(connection)
+                assert failed["status"] == "failed"
+                assert failed["status_details"]["error"]["code"] == "engine_unavailable"
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+        await server.wait_ready(200)
+        # The worker's answer connection reattaches on its own poll: until then an answer fails typed.
+        async with asyncio.timeout(60):
+            while True:
+                async with realtime(Urls(server.port)) as connection:
+                    await recv(connection)
+                    await ask(connection, "hello", 4)
+                    events, done = await answered(connection)
+                if done["status"] != "failed":
+                    break
+                assert done["status_details"]["error"]["code"] == "engine_unavailable"
+                await asyncio.sleep(0.1)
+        assert pcm_of(events, done["id"])
