@@ -31,8 +31,8 @@ import av
 import torch
 from websockets.asyncio.client import connect
 
+from benchmarks.video_forward import FORWARDS_PER_CHUNK, forwards, full_caches, load_baseline, time_chunk
 from omnigate.codecs.video import FragmentedMp4Writer
-from omnigate.engines.video.causal import ChunkKvCache, causal_forward
 from omnigate.engines.video.denoise import encode_prompt, to_rgb_frames, vae_latents
 from omnigate.engines.video.live import LiveVideoEngine
 from omnigate.engines.video.vae_stream import StreamingVaeDecoder
@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--overlap-decode", action="store_true", help="decode each chunk on a second thread while the next denoises"
     )
+    parser.add_argument("--compile-forward", choices=["true", "false"], help="the engine option (default: its own)")
+    parser.add_argument("--attention-backend", choices=["default", "cudnn", "flash"])
+    parser.add_argument(
+        "--baseline", type=Path, help="a copy of an earlier causal.py: its forward timed beside the served one"
+    )
+    parser.add_argument("--baseline-batches", default="1,4", help="batch sizes the earlier forward is timed at")
     return parser.parse_args(argv)
 
 
@@ -173,27 +179,24 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
     context = encode_prompt(model, "a red fox running through deep snow")
     generator = torch.Generator().manual_seed(0)
 
-    def full_cache() -> ChunkKvCache:
-        cache = ChunkKvCache(args.cache_frames)
-        while cache.frames < args.cache_frames:
-            latents = torch.randn((1, *shape), generator=generator).to(device)
-            _, kv = causal_forward(
-                model.transformer, latents, torch.zeros(1, args.chunk, device=device), context, [cache]
-            )
-            cache.append(kv, args.chunk)
-        return cache
-
+    # Per forward: a chunk's 5 forwards timed together, each stream's cache its own with its past keys rotated
+    # afresh once per chunk, as when serving; the served kernels, and the earlier code's where it is given.
+    ways = forwards(model, context, load_baseline(args.baseline) if args.baseline else None)
+    served = f"{'compiled' if engine.kernels.compiled else 'eager'}/{engine.kernels.attention}"
+    caches = full_caches(model, args, max(batches), shape)
     transformer: dict[str, float] = {}
-    cache = full_cache()
+    previous: dict[str, float] = {}
+    previous_batches = [int(b) for b in args.baseline_batches.split(",")] if args.baseline else []
     for batch in batches:
         latents = torch.randn((batch, *shape), generator=generator).to(device)
         times = torch.full((batch, args.chunk), 750.0, device=device)
-        caches = [cache] * batch
-        contexts = context.expand(batch, -1, -1)
-        transformer[str(batch)] = _timed(
-            device,
-            lambda x=latents, t=times, c=contexts, k=caches: causal_forward(model.transformer, x, t, c, k),
-        )
+        time_chunk(ways[served], latents, times, caches[:batch], 1)  # warm-up at this batch size
+        transformer[str(batch)] = time_chunk(ways[served], latents, times, caches[:batch], 2) / FORWARDS_PER_CHUNK
+        if batch in previous_batches:
+            time_chunk(ways["previous"], latents, times, caches[:batch], 1)
+            previous[str(batch)] = time_chunk(ways["previous"], latents, times, caches[:batch], 2) / FORWARDS_PER_CHUNK
+        print(f"forward at batch {batch}: {transformer[str(batch)]:.4f} s (previous {previous.get(str(batch))})")
+    del caches
     clean = torch.randn((1, *shape), generator=generator).to(device)
     vae: dict[str, float] = {}
     for label, dtype in (("vae_dtype", model.vae.dtype), ("float32", torch.float32)):
@@ -233,7 +236,10 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
     # attention (QK^T and AV), cross-attention to the text ignored (512 keys).
     flops = 2 * params * tokens + 4 * int(config.num_layers) * tokens * window_tokens * dim
     return {
+        "forward_kernels": served,
         "transformer_forward_s_by_batch": transformer,
+        "previous_transformer_forward_s_by_batch": previous,
+        "previous_achieved_tflops_by_batch": {b: flops * int(b) / t / 1e12 for b, t in previous.items()},
         "forwards_per_chunk": args.steps + 1,
         "vae_decode_chunk_s": vae,
         "encode_chunk_s": statistics.median(encode_s),
@@ -265,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         "cache_frames": str(args.cache_frames),
         "overlap_decode": str(args.overlap_decode).lower(),
     }
+    if args.compile_forward:
+        options["compile_forward"] = args.compile_forward
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/video_live.py", *(argv or sys.argv[1:])]),
         "host": platform.node(),
@@ -277,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(engine="synthetic", video_model=f"preset:{args.preset}", video_options=options)
     with serve(settings) as server:
         engine: LiveVideoEngine = server.app.state.video_engine
-        report["load_s"] = time.perf_counter() - began
+        report["load_s"] = time.perf_counter() - began  # with the forward's compile
+        report["forward_compile_s"] = engine.warm_up_s
         warm = copy.copy(args)
         warm.seconds = min(args.seconds, 4.0)
         asyncio.run(level(server.ws_url, warm, 1))  # warm-up: kernels, allocator, encoder
