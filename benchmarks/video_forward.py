@@ -1,10 +1,10 @@
 """The chunk-causal transformer forward on a GPU, each way of running it, at a full cache window (832x480 by default).
 
-Variants: the previous code (``--baseline PATH``: a copy of an earlier ``omnigate/engines/video/causal.py``), and the
-current code eager or with its elementwise work compiled, under each SDPA backend order. Each is timed per chunk
+Ways: the previous code (``--baseline PATH``: a copy of an earlier ``omnigate/engines/video/causal.py``) and the
+current code. Each is timed per chunk
 (the 5 forwards of 4 flow steps and the cache write, the cache's rotated keys made afresh once per chunk as when
 serving), checked against the previous code on fresh inputs (relative L2 error of the flow and of the new keys), and
-the previous and the fastest one get a kernel census (torch.profiler, device time by kernel). Then the VAE decode of
+each gets a kernel census (torch.profiler, device time by kernel). Then the VAE decode of
 a chunk with cuDNN's autotuner and channels-last 3D. Run from the repository root:
 
     PYTHONPATH=. python benchmarks/video_forward.py --out video_forward.json --baseline /path/to/old_causal.py
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from omnigate.engines.video.causal import ChunkKvCache, ForwardKernels, causal_forward
+from omnigate.engines.video.causal import ChunkKvCache, causal_forward
 from omnigate.engines.video.denoise import encode_prompt, to_rgb_frames, vae_latents
 from omnigate.engines.video.model import VideoModel, build_preset
 from omnigate.engines.video.vae_stream import StreamingVaeDecoder
@@ -48,7 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, help="a copy of the previous causal.py to compare with")
     parser.add_argument("--batches", default="1,4", help="batch sizes (the first: every variant; others: the best)")
     parser.add_argument("--repeat", type=int, default=3, help="chunks timed per variant")
-    parser.add_argument("--ways", help="comma-separated names of the ways to run (default: all)")
     parser.add_argument("--no-vae", action="store_true")
     return parser.parse_args(argv)
 
@@ -64,22 +63,15 @@ def load_baseline(path: Path) -> ModuleType:
 
 
 def forwards(model: VideoModel, context: torch.Tensor, baseline: ModuleType | None) -> dict[str, Forward]:
-    """Every way of running one forward, by name."""
+    """Every way of running one forward, by name: "current", and "previous" where a baseline is given."""
     transformer = model.transformer
 
-    def current(kernels: ForwardKernels) -> Forward:
-        return lambda x, t, caches: causal_forward(
-            transformer, x, t, context.expand(x.shape[0], -1, -1), caches, kernels=kernels
-        )
+    def run(module: Any) -> Forward:
+        return lambda x, t, caches: module.causal_forward(transformer, x, t, context.expand(x.shape[0], -1, -1), caches)
 
-    ways: dict[str, Forward] = {}
+    ways = {"current": run(sys.modules[causal_forward.__module__])}
     if baseline is not None:
-        ways["previous"] = lambda x, t, caches: baseline.causal_forward(
-            transformer, x, t, context.expand(x.shape[0], -1, -1), caches
-        )
-    for compiled in (False, True):
-        for attention in ("default", "cudnn", "flash"):
-            ways[f"{'compiled' if compiled else 'eager'}/{attention}"] = current(ForwardKernels(compiled, attention))
+        ways["previous"] = run(baseline)
     return ways
 
 
@@ -163,58 +155,50 @@ def census(forward: Forward, x: torch.Tensor, t: torch.Tensor, caches: list[Chun
     }
 
 
-def compare_forwards(
-    model: VideoModel, args: argparse.Namespace, baseline: ModuleType | None, names: list[str] | None = None
-) -> dict[str, Any]:
-    """Time, check and census the ways of running a forward (``names``: a subset; None: all)."""
+def compare_forwards(model: VideoModel, args: argparse.Namespace, baseline: ModuleType | None) -> dict[str, Any]:
+    """Time, check and census the ways of running a forward."""
     scale = model.spatial_scale
     shape = (model.latent_channels, args.chunk, args.height // scale, args.width // scale)
     context = encode_prompt(model, "a red fox running through deep snow")
     ways = forwards(model, context, baseline)
-    if names is not None:
-        ways = {name: ways[name] for name in names}
     batches = [int(b) for b in str(args.batches).split(",")]
     caches = full_caches(model, args, max(batches), shape)
     generator = torch.Generator().manual_seed(1)
-    report: dict[str, Any] = {"chunk_s": {}, "first_chunk_s": {}, "relative_error": {}, "census": {}}
-    reference = "previous" if "previous" in ways else next(iter(ways))
+    report: dict[str, Any] = {"chunk_s": {}, "relative_error_to_previous": {}, "census": {}}
     for batch in batches:
         x = torch.randn((batch, *shape), generator=generator).to(model.device)
         t = torch.full((batch, args.chunk), 750.0, device=model.device)
-        chosen = dict(ways) if batch == batches[0] else {n: ways[n] for n in (reference, report["fastest"])}
-        for name, forward in list(chosen.items()):
-            began = time.perf_counter()
-            try:
-                time_chunk(forward, x, t, caches[:batch], 1)  # warm-up: compiles, autotunes, allocates
-            except Exception as exc:  # one way failing leaves the others' figures
-                report.setdefault("failed", {})[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-                print(f"{name} failed: {report['failed'][name][:500]}", flush=True)
-                del chosen[name], ways[name]
-                continue
-            report["first_chunk_s"][f"{name}@{batch}"] = time.perf_counter() - began
+        for name, forward in ways.items():
+            time_chunk(forward, x, t, caches[:batch], 1)  # warm-up: autotunes, allocates
             chunk = time_chunk(forward, x, t, caches[:batch], args.repeat)
             report["chunk_s"][f"{name}@{batch}"] = chunk
             print(f"batch {batch} {name}: {chunk / FORWARDS_PER_CHUNK * 1e3:.1f} ms per forward", flush=True)
-        if batch == batches[0]:
-            fastest = min(chosen, key=lambda n: report["chunk_s"][f"{n}@{batch}"])
-            report["fastest"] = fastest
-    # Correctness on fresh inputs: each way against the reference, the flow and the new keys and values.
-    x = torch.randn((batches[0], *shape), generator=generator).to(model.device)
-    t = torch.full((batches[0], args.chunk), 500.0, device=model.device)
-    ref_out, ref_kv = ways[reference](x, t, caches[: batches[0]])
-    for name, forward in ways.items():
-        out, kv = forward(x, t, caches[: batches[0]])
-        report["relative_error"][name] = {
-            "flow": relative_error(out, ref_out),
-            "keys": max(relative_error(k, rk) for (k, _), (rk, _) in zip(kv, ref_kv, strict=True)),
-            "values": max(relative_error(v, rv) for (_, v), (_, rv) in zip(kv, ref_kv, strict=True)),
-            "finite": bool(torch.isfinite(out).all()),
-        }
+    if "previous" in ways:
+        report["relative_error_to_previous"] = check(ways, model, shape, caches[:2], generator)
     x = torch.randn((1, *shape), generator=generator).to(model.device)
     t = torch.full((1, args.chunk), 750.0, device=model.device)
-    for name in dict.fromkeys((reference, report["fastest"])):
-        report["census"][name] = census(ways[name], x, t, caches[:1])
+    for name, forward in ways.items():
+        report["census"][name] = census(forward, x, t, caches[:1])
     return report
+
+
+def check(
+    ways: dict[str, Forward], model: VideoModel, shape: tuple[int, ...], caches: list[ChunkKvCache], generator: Any
+) -> dict[str, Any]:
+    """The current forward against the previous one on fresh inputs (two streams' caches, rotated keys made
+    afresh): relative L2 error of the flow and of every layer's new keys and values (the worst layer)."""
+    for cache in caches:
+        cache.rotated_keys = []
+    x = torch.randn((len(caches), *shape), generator=generator).to(model.device)
+    t = torch.full((len(caches), shape[1]), 500.0, device=model.device)
+    ref_out, ref_kv = ways["previous"](x, t, caches)
+    out, kv = ways["current"](x, t, caches)
+    return {
+        "flow": relative_error(out, ref_out),
+        "keys": max(relative_error(k, rk) for (k, _), (rk, _) in zip(kv, ref_kv, strict=True)),
+        "values": max(relative_error(v, rv) for (_, v), (_, rv) in zip(kv, ref_kv, strict=True)),
+        "finite": bool(torch.isfinite(out).all()),
+    }
 
 
 def compare_vae(model: VideoModel, args: argparse.Namespace) -> dict[str, Any]:
@@ -269,15 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     report: dict[str, Any] = {"torch": torch.__version__, "gpu": gpu, "args": vars(args)}
     with torch.inference_mode():
-        report["forward"] = compare_forwards(model, args, baseline, args.ways.split(",") if args.ways else None)
+        report["forward"] = compare_forwards(model, args, baseline)
         args.out.write_text(json.dumps(report, indent=1, default=str))
         if not args.no_vae:
             report["vae"] = compare_vae(model, args)
     args.out.write_text(json.dumps(report, indent=1, default=str))
     forward = report["forward"]
     for name, seconds in forward["chunk_s"].items():
-        error = forward["relative_error"].get(name.split("@")[0], {})
-        print(f"{name:>24}: {seconds / FORWARDS_PER_CHUNK * 1e3:7.1f} ms/forward  err {error.get('flow', 0):.2e}")
+        print(f"{name:>12}: {seconds / FORWARDS_PER_CHUNK * 1e3:7.1f} ms/forward")
+    print("current against previous:", json.dumps(forward["relative_error_to_previous"]))
     for name, found in forward["census"].items():
         print(name, json.dumps(found["per_forward_ms_by_kind"]), found["kernel_launches_per_forward"])
     return 0

@@ -31,7 +31,15 @@ import av
 import torch
 from websockets.asyncio.client import connect
 
-from benchmarks.video_forward import FORWARDS_PER_CHUNK, forwards, full_caches, load_baseline, time_chunk
+from benchmarks.video_forward import (
+    FORWARDS_PER_CHUNK,
+    census,
+    check,
+    forwards,
+    full_caches,
+    load_baseline,
+    time_chunk,
+)
 from omnigate.codecs.video import FragmentedMp4Writer
 from omnigate.engines.video.denoise import encode_prompt, to_rgb_frames, vae_latents
 from omnigate.engines.video.live import LiveVideoEngine
@@ -62,8 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--overlap-decode", action="store_true", help="decode each chunk on a second thread while the next denoises"
     )
-    parser.add_argument("--compile-forward", choices=["true", "false"], help="the engine option (default: its own)")
-    parser.add_argument("--attention-backend", choices=["default", "cudnn", "flash"])
     parser.add_argument(
         "--baseline", type=Path, help="a copy of an earlier causal.py: its forward timed beside the served one"
     )
@@ -180,9 +186,10 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
     generator = torch.Generator().manual_seed(0)
 
     # Per forward: a chunk's 5 forwards timed together, each stream's cache its own with its past keys rotated
-    # afresh once per chunk, as when serving; the served kernels, and the earlier code's where it is given.
+    # afresh once per chunk, as when serving; the served forward, and the earlier code's where it is given (then
+    # also checked against it, and both get a kernel census at one stream).
     ways = forwards(model, context, load_baseline(args.baseline) if args.baseline else None)
-    served = f"{'compiled' if engine.kernels.compiled else 'eager'}/{engine.kernels.attention}"
+    served = "current"
     caches = full_caches(model, args, max(batches), shape)
     transformer: dict[str, float] = {}
     previous: dict[str, float] = {}
@@ -196,6 +203,10 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
             time_chunk(ways["previous"], latents, times, caches[:batch], 1)
             previous[str(batch)] = time_chunk(ways["previous"], latents, times, caches[:batch], 2) / FORWARDS_PER_CHUNK
         print(f"forward at batch {batch}: {transformer[str(batch)]:.4f} s (previous {previous.get(str(batch))})")
+    checked = check(ways, model, shape, caches[:2], generator) if args.baseline else None
+    one = torch.randn((1, *shape), generator=generator).to(device)
+    at = torch.full((1, args.chunk), 750.0, device=device)
+    kernels = {name: census(forward, one, at, caches[:1]) for name, forward in ways.items()}
     del caches
     clean = torch.randn((1, *shape), generator=generator).to(device)
     vae: dict[str, float] = {}
@@ -236,7 +247,8 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
     # attention (QK^T and AV), cross-attention to the text ignored (512 keys).
     flops = 2 * params * tokens + 4 * int(config.num_layers) * tokens * window_tokens * dim
     return {
-        "forward_kernels": served,
+        "forward_relative_error_to_previous": checked,
+        "forward_census_one_stream": kernels,
         "transformer_forward_s_by_batch": transformer,
         "previous_transformer_forward_s_by_batch": previous,
         "previous_achieved_tflops_by_batch": {b: flops * int(b) / t / 1e12 for b, t in previous.items()},
@@ -271,10 +283,6 @@ def main(argv: list[str] | None = None) -> int:
         "cache_frames": str(args.cache_frames),
         "overlap_decode": str(args.overlap_decode).lower(),
     }
-    if args.compile_forward:
-        options["compile_forward"] = args.compile_forward
-    if args.attention_backend:
-        options["attention_backend"] = args.attention_backend
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/video_live.py", *(argv or sys.argv[1:])]),
         "host": platform.node(),
@@ -287,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(engine="synthetic", video_model=f"preset:{args.preset}", video_options=options)
     with serve(settings) as server:
         engine: LiveVideoEngine = server.app.state.video_engine
-        report["load_s"] = time.perf_counter() - began  # with the forward's compile
-        report["forward_compile_s"] = engine.warm_up_s
+        report["load_s"] = time.perf_counter() - began
         warm = copy.copy(args)
         warm.seconds = min(args.seconds, 4.0)
         asyncio.run(level(server.ws_url, warm, 1))  # warm-up: kernels, allocator, encoder
@@ -310,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not args.no_split:
                 report["split"] = split(engine, args, levels)
-                print("split", json.dumps(report["split"], default=str), flush=True)
+                brief = {k: v for k, v in report["split"].items() if k != "forward_census_one_stream"}
+                print("split", json.dumps(brief, default=str), flush=True)
+                for name, found in report["split"]["forward_census_one_stream"].items():
+                    print("census", name, json.dumps(found["per_forward_ms_by_kind"]), flush=True)
                 args.out.write_text(json.dumps(report, indent=1, default=str))
             if not (args.no_clip or args.no_split):
                 report["whole_clip"] = whole_clip(engine, args)

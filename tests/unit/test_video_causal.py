@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from omnigate.engines.base import EngineError
-from omnigate.engines.video.causal import ChunkKvCache, ForwardKernels, causal_forward, few_step_sigmas
+from omnigate.engines.video.causal import ChunkKvCache, causal_forward, few_step_sigmas
 from omnigate.engines.video.checkpoint import save_generator_checkpoint, to_original_names
 from omnigate.engines.video.engine import VideoEngine
 from omnigate.engines.video.live import LiveVideoEngine
@@ -118,31 +118,6 @@ def test_the_past_keys_are_rotated_once_per_cache_state_and_reused_by_every_forw
     causal_forward(transformer, chunks[0], torch.full((1, CHUNK), 750.0), context, [cache])
     assert len(cache.rotated_keys) == layers and cache.rotated_keys[0].shape[1] == cache.tokens
     assert cache.nbytes == sum(3 * k.numel() * k.element_size() for k, _ in cache.layers)
-
-
-@pytest.mark.slow
-def test_the_compiled_forward_computes_what_the_eager_one_does(transformer: Any) -> None:
-    """torch.compile fuses the blocks' elementwise work (Inductor's C++ backend on the CPU: a minute to compile)."""
-    contexts = torch.cat([random(1, 16, 32, seed=7), random(1, 16, 32, seed=8)])
-    outputs = []
-    for kernels in (ForwardKernels(), ForwardKernels(compiled=True, attention="cudnn")):
-        caches = [ChunkKvCache(2 * CHUNK), ChunkKvCache(2 * CHUNK)]
-        flows = []
-        for index in range(4):  # the window rolls at the fourth chunk
-            chunk = random(2, 16, CHUNK, 8, 8, seed=50 + index)
-            flow, _ = causal_forward(
-                transformer, chunk, torch.full((2, CHUNK), 500.0), contexts, caches, kernels=kernels
-            )
-            _, kv = causal_forward(transformer, chunk, torch.zeros(2, CHUNK), contexts, caches, kernels=kernels)
-            for row, cache in enumerate(caches):
-                cache.append([(k[row : row + 1], v[row : row + 1]) for k, v in kv], CHUNK)
-            flows.append(flow)
-        outputs.append(torch.cat(flows, dim=2))
-    eager, compiled = outputs
-    assert (compiled - eager).abs().max() < TOLERANCE
-    engine = VideoEngine.load("preset:tiny-causal", compile_forward="true")
-    assert isinstance(engine, LiveVideoEngine) and engine.kernels.compiled and engine.warm_up_s > 0
-    assert not VideoEngine.load("preset:tiny-causal").kernels.compiled  # the default on a CPU: eager
 
 
 def test_few_step_sigmas_are_self_forcings_warped_timesteps() -> None:

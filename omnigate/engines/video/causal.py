@@ -12,23 +12,20 @@ chunks would use. Timesteps are per latent frame, so one forward can hold clean 
 recompute that tests hold the cache equal to) and several streams at different steps (batching).
 
 A cache's past keys are rotated once per cache state (they keep their positions for all the forwards of the next
-chunk) instead of at every forward. :class:`ForwardKernels` chooses how the forward runs on the device without
-changing what it computes: the elementwise work around attention and the feed-forward (norms, per-frame
-modulation, gated residuals, rotary) fused by ``torch.compile``, and the order SDPA tries its backends in.
+chunk) instead of at every forward, and the elementwise work around attention and the feed-forward takes fewer
+passes over memory than diffusers' modules (rotary as one complex product, residuals without copies); what a block
+computes is Wan's, in the same precisions (float32 norms, modulation and residuals).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 KeyValue = tuple[torch.Tensor, torch.Tensor]  # (batch, tokens, heads, head_dim) each
 
@@ -90,11 +87,9 @@ def few_step_sigmas(steps: int, shift: float) -> list[float]:
     return [shift * s / (1.0 + (shift - 1.0) * s) for s in levels]
 
 
-def _rotary_tables(
-    transformer: Any, frame_index: torch.Tensor, tokens_hw: int, pph: int, ppw: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``(batch, tokens, 1, head_dim)`` for tokens whose latent frame is ``frame_index`` (batch, tokens),
-    laid out frame-major like Wan's patches; Wan's 3D rotary split (time, height, width)."""
+def _rotary_tables(transformer: Any, frame_index: torch.Tensor, tokens_hw: int, pph: int, ppw: int) -> torch.Tensor:
+    """Wan's 3D rotary split (time, height, width) as complex ``cos + i sin`` ``(batch, tokens, 1, head_dim / 2)``
+    for tokens whose latent frame is ``frame_index`` (batch, tokens), laid out frame-major like Wan's patches."""
     rope = transformer.rope
     sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
     tables = []
@@ -110,20 +105,15 @@ def _rotary_tables(
         batch, tokens = frame_index.shape
         position_hw = hw.repeat(tokens // tokens_hw, 1).expand(batch, -1, -1)
         tables.append(torch.cat([t[frame_index], position_hw], dim=-1).unsqueeze(2))
-    return tables[0], tables[1]
+    cos, sin = tables
+    return torch.complex(cos[..., 0::2], sin[..., 1::2])  # the tables repeat each pair's angle: take one of each
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on interleaved pairs (diffusers' ``apply_rotary_emb``)."""
-    x1, x2 = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out
-
-
-# The elementwise work of a block, as pure functions of tensors (one compiled graph serves every layer and shape).
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on interleaved pairs (diffusers' ``apply_rotary_emb``: each pair times cos and sin in
+    float32), as one complex product, back in ``x``'s dtype."""
+    pairs = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
 def _norm_modulate(hidden: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,94 +121,15 @@ def _norm_modulate(hidden: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
     dim)), back in ``hidden``'s dtype."""
     batch, tokens, dim = hidden.shape
     normed = F.layer_norm(hidden.float(), (dim,), eps=eps).view(batch, scale.shape[1], -1, dim)
-    return (normed * (1 + scale) + shift).view(batch, tokens, dim).to(hidden.dtype)
-
-
-def _affine_norm(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """Wan's float32 LayerNorm with its weight and bias, back in ``hidden``'s dtype."""
-    dim = hidden.shape[-1]
-    return F.layer_norm(hidden.float(), (dim,), weight.float(), bias.float(), eps).to(hidden.dtype)
+    return torch.addcmul(shift, normed, 1 + scale).view(batch, tokens, dim).to(hidden.dtype)
 
 
 def _gated_residual(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``hidden + out * gate`` in float32 with a gate per latent frame, in ``dtype``."""
     batch, tokens, dim = hidden.shape
     frames = gate.shape[1]
-    summed = hidden.float().view(batch, frames, -1, dim) + out.view(batch, frames, -1, dim) * gate
+    summed = (out.view(batch, frames, -1, dim) * gate).add_(hidden.view(batch, frames, -1, dim))
     return summed.view(batch, tokens, dim).to(dtype)
-
-
-def _norm_rotate(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wan's RMSNorm of queries or keys over all heads, split into heads, and the result rotated (same dtype)."""
-    normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
-    normed = normed.view(*normed.shape[:-1], heads, -1)
-    return normed, _rotate(normed, cos, sin).to(normed.dtype)
-
-
-def _rotate_as(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _rotate(x, cos, sin).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class _Elementwise:
-    norm_modulate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-    affine_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-    gated_residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
-    norm_rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-_EAGER = _Elementwise(_norm_modulate, _affine_norm, _gated_residual, _norm_rotate, _rotate_as)
-
-
-@functools.cache
-def _compiled() -> _Elementwise:
-    """The same functions through ``torch.compile`` (dynamic shapes: batch, tokens and cache length vary); each is
-    compiled on its first call."""
-
-    def compile_(fn: Any) -> Any:
-        return torch.compile(fn, dynamic=True, fullgraph=True)
-
-    return _Elementwise(*(compile_(fn) for fn in vars(_EAGER).values()))
-
-
-# Attention backends by name, for options; "default" leaves SDPA's own order.
-ATTENTION_BACKENDS: dict[str, tuple[SDPBackend, ...]] = {
-    "default": (),
-    "cudnn": (
-        SDPBackend.CUDNN_ATTENTION,
-        SDPBackend.FLASH_ATTENTION,
-        SDPBackend.EFFICIENT_ATTENTION,
-        SDPBackend.MATH,
-    ),
-    "flash": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
-}
-
-
-@dataclass(frozen=True)
-class ForwardKernels:
-    """How :func:`causal_forward` runs on its device; what it computes is the same (up to rounding)."""
-
-    compiled: bool = False  # the block's elementwise work through torch.compile (fused kernels)
-    attention: str = "default"  # a key of ATTENTION_BACKENDS: the order SDPA tries its backends in
-
-    @property
-    def elementwise(self) -> _Elementwise:
-        return _compiled() if self.compiled else _EAGER
-
-    @contextmanager
-    def attention_backends(self) -> Iterator[None]:
-        backends = ATTENTION_BACKENDS[self.attention]
-        if not backends:
-            yield
-            return
-        with sdpa_kernel(list(backends), set_priority=True):
-            yield
-
-
-EAGER = ForwardKernels()
 
 
 @torch.no_grad()
@@ -230,7 +141,6 @@ def causal_forward(
     caches: Sequence[ChunkKvCache | None] | None = None,
     chunk_frames: int | None = None,
     window: int | None = None,
-    kernels: ForwardKernels = EAGER,
 ) -> tuple[torch.Tensor, list[KeyValue]]:
     """One forward of the Wan transformer over ``latents`` ``(batch, C, frames, h, w)``.
 
@@ -259,8 +169,8 @@ def causal_forward(
     if len(lengths) > 1:
         raise ValueError("the caches of one batch must hold the same number of frames")
     cached, prefix = lengths.pop() if lengths else (0, 0)
-    query_frame = (cached + torch.arange(frames, device=device)).repeat_interleave(tokens_hw).expand(batch, -1)
-    rope = _rotary_tables(transformer, query_frame, tokens_hw, pph, ppw)
+    query_frame = (cached + torch.arange(frames, device=device)).repeat_interleave(tokens_hw).view(1, -1)
+    rotation = _rotary_tables(transformer, query_frame, tokens_hw, pph, ppw)
     past: _PastKeys | None = None
     mask: torch.Tensor | None = None
     if prefix:
@@ -279,11 +189,8 @@ def causal_forward(
     )
     modulation = projection.unflatten(2, (6, -1)).unsqueeze(2)  # (batch, frames, 1, 6, dim): per frame
     new_kv: list[KeyValue] = []
-    ops = kernels.elementwise
-    with kernels.attention_backends():
-        for index, block in enumerate(transformer.blocks):
-            layer = _Layer(transformer, index, rope, past, mask, frames)
-            hidden = _block(block, hidden, text, modulation, layer, new_kv, ops)
+    for index, block in enumerate(transformer.blocks):
+        hidden = _block(block, hidden, text, modulation, _Layer(transformer, index, rotation, past, mask), new_kv)
     shift, scale = (transformer.scale_shift_table.view(1, 1, 2, -1) + temb.unsqueeze(2)).unsqueeze(2).unbind(3)
     per_frame = transformer.norm_out(hidden.float()).view(batch, frames, tokens_hw, -1)
     hidden = (per_frame * (1 + scale) + shift).flatten(1, 2).type_as(hidden)
@@ -299,16 +206,16 @@ class _PastKeys:
     caches: list[ChunkKvCache]
     key_frame: torch.Tensor  # (1, cached tokens): each cached token's frame in the window
     layout: tuple[int, int, int]  # tokens per frame, patches high, patches wide
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    rotation: torch.Tensor | None = None
 
-    def keys_values(self, transformer: Any, index: int, ops: _Elementwise) -> list[KeyValue]:
+    def keys_values(self, transformer: Any, index: int) -> list[KeyValue]:
         """Each sample's rotated past keys and its values at layer ``index``."""
         for cache in self.caches:
             if len(cache.rotated_keys) <= index:
-                if self.tables is None:
-                    self.tables = _rotary_tables(transformer, self.key_frame, *self.layout)
+                if self.rotation is None:
+                    self.rotation = _rotary_tables(transformer, self.key_frame, *self.layout)
                 key, _ = cache.layers[index]
-                cache.rotated_keys.append(ops.rotate(key, *self.tables))
+                cache.rotated_keys.append(_rotate(key, self.rotation))
         return [(cache.rotated_keys[index], cache.layers[index][1]) for cache in self.caches]
 
 
@@ -318,10 +225,9 @@ class _Layer:
 
     transformer: Any
     index: int
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin of the new tokens
+    rotation: torch.Tensor  # of the new tokens
     past: _PastKeys | None
     mask: torch.Tensor | None
-    frames: int
 
 
 def _with_past(past: list[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
@@ -343,34 +249,31 @@ def _block(
     modulation: torch.Tensor,
     layer: _Layer,
     new_kv: list[KeyValue],
-    ops: _Elementwise,
 ) -> torch.Tensor:
     """``WanTransformerBlock.forward`` with per-frame modulation and cached keys and values in self-attention."""
     shift, scale, gate, c_shift, c_scale, c_gate = (
         block.scale_shift_table.view(1, 1, 1, 6, -1) + modulation.float()
     ).unbind(3)
-    normed = ops.norm_modulate(hidden, scale, shift, block.norm1.eps)
+    normed = _norm_modulate(hidden, scale, shift, block.norm1.eps)
     attn = block.attn1
-    _, query = ops.norm_rotate(attn.to_q(normed), attn.norm_q.weight, attn.norm_q.eps, attn.heads, *layer.rope)
-    key, rotated = ops.norm_rotate(attn.to_k(normed), attn.norm_k.weight, attn.norm_k.eps, attn.heads, *layer.rope)
+    query = _rotate(attn.norm_q(attn.to_q(normed)).unflatten(2, (attn.heads, -1)), layer.rotation)
+    key = attn.norm_k(attn.to_k(normed)).unflatten(2, (attn.heads, -1))
     value = attn.to_v(normed).unflatten(2, (attn.heads, -1))
     new_kv.append((key, value))
+    rotated = _rotate(key, layer.rotation)
     if layer.past is not None:
-        past = layer.past.keys_values(layer.transformer, layer.index, ops)
+        past = layer.past.keys_values(layer.transformer, layer.index)
         rotated = _with_past([k for k, _ in past], rotated)
         value = _with_past([v for _, v in past], value)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2), rotated.transpose(1, 2), value.transpose(1, 2), attn_mask=layer.mask
     )
     out = attn.to_out[0](out.transpose(1, 2).flatten(2, 3).type_as(hidden))
-    hidden = ops.gated_residual(hidden, out, gate, hidden.dtype)
+    hidden = _gated_residual(hidden, out, gate, hidden.dtype)
 
-    if isinstance(block.norm2, torch.nn.LayerNorm):
-        normed = ops.affine_norm(hidden, block.norm2.weight, block.norm2.bias, block.norm2.eps)
-    else:
-        normed = block.norm2(hidden.float()).type_as(hidden)
+    normed = block.norm2(hidden.float()).type_as(hidden)
     hidden = hidden + block.attn2(normed, text, None, None)
 
-    normed = ops.norm_modulate(hidden, c_scale, c_shift, block.norm3.eps)
+    normed = _norm_modulate(hidden, c_scale, c_shift, block.norm3.eps)
     out = block.ffn(normed)
-    return ops.gated_residual(hidden, out, c_gate, out.dtype)
+    return _gated_residual(hidden, out, c_gate, out.dtype)

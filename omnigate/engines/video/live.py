@@ -37,7 +37,6 @@ import enum
 import logging
 import math
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,7 +45,7 @@ import numpy.typing as npt
 import torch
 
 from omnigate.engines.base import EngineError
-from omnigate.engines.video.causal import ChunkKvCache, ForwardKernels, causal_forward, few_step_sigmas
+from omnigate.engines.video.causal import ChunkKvCache, causal_forward, few_step_sigmas
 from omnigate.engines.video.denoise import encode_prompt, to_rgb_frames, vae_latents
 from omnigate.engines.video.engine import VideoEngine, VideoJob
 from omnigate.engines.video.outputs import FrameGroup, PromptUpdated, VideoOutput
@@ -187,32 +186,6 @@ class LiveVideoEngine(VideoEngine):
         self.decode_calls = 0  # VAE calls: fewer than chunks_decoded when streams' chunks were decoded together
         self._decode_thread: threading.Thread | None = None
         self._decode_dead = False
-        compiled = self.options.compile_forward
-        if compiled is None:
-            compiled = model.device.type == "cuda"
-        self.kernels = ForwardKernels(compiled=compiled, attention=self.options.attention_backend)
-        self.warm_up_s = self._warm_up() if compiled else 0.0
-
-    def _warm_up(self) -> float:
-        """Compile the forward's fused kernels now, for the shapes streams reach (one and several samples, with and
-        without a cache; sizes are dynamic), so no stream waits for the compiler. Returns the seconds it took."""
-        model = self.model
-        began = time.perf_counter()
-        scale = model.size_multiple // model.spatial_scale
-        with torch.inference_mode():
-            context = encode_prompt(model, "warm-up")
-            for batch in (1, 2):
-                cache = ChunkKvCache(self.options.cache_frames)
-                latents = torch.randn(batch, model.latent_channels, 2, 2 * scale, 2 * scale, device=model.device)
-                times = torch.zeros(batch, 2, device=model.device)
-                contexts = context.expand(batch, -1, -1)
-                for _ in range(2):
-                    _, kv = causal_forward(
-                        model.transformer, latents, times, contexts, [cache] * batch, kernels=self.kernels
-                    )
-                    cache.append([(k[:1], v[:1]) for k, v in kv], 2)
-        log.info("video forward kernels compiled in %.1f s", time.perf_counter() - began)
-        return time.perf_counter() - began
 
     def _default_budget(self) -> int:
         device = torch.device(self.options.device)
@@ -601,7 +574,7 @@ class LiveVideoEngine(VideoEngine):
         times = torch.tensor(timesteps, device=model.device).view(-1, 1).expand(-1, frames)
         contexts = [job.context for job in batch if job.context is not None]
         flow, new_kv = causal_forward(
-            model.transformer, latents, times, torch.cat(contexts), [job.cache for job in batch], kernels=self.kernels
+            model.transformer, latents, times, torch.cat(contexts), [job.cache for job in batch]
         )
         self.forwards_run += 1
         self.batched_samples += len(batch)

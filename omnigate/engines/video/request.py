@@ -64,11 +64,6 @@ class VideoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # default: on the H200 the denoising forwards already fill the GPU, so the overlapped VAE only slowed them (one
     # stream 15.2 fps against 15.9, first fragment 0.62 s against 0.49 s: docs/benchmarks/video_live.md)
     overlap_decode: bool = False
-    # the transformer's elementwise work (norms, modulation, gated residuals, rotary) fused by torch.compile (None: on
-    # CUDA devices); compiled while the engine loads, not at a stream's first chunk
-    compile_forward: bool | None = None
-    # the order SDPA tries attention backends in: PyTorch's own ("default"), cuDNN's first, or flash's first
-    attention_backend: Literal["default", "cudnn", "flash"] = "default"
     # bytes of KV caches all streams may hold together (None: 80 % of the free device memory at start; 4 GiB on CPU)
     cache_budget_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
     causal_base: str = "preset:wan-1.3b-causal"  # shapes, text encoder and VAE for a Self-Forcing checkpoint file
