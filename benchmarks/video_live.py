@@ -1,6 +1,8 @@
 """Live chunk-causal video through the real server: first fragment, first client-decoded frame, sustained fps per
 stream for several concurrent live streams, prompt change to first chunk with it; then where a chunk's time goes
 (transformer forwards by batch size, VAE, H.264 encode, fMP4 mux), and the whole-clip path on the same shapes.
+With ``--baseline`` (a copy of an earlier ``causal.py``), that forward is timed beside the served one, checked
+against it, and both get a kernel census.
 
 Each level starts N websockets clients together on ``WS /v1/realtime/video`` (``video.create`` with ``live``); each
 reads for ``--seconds`` then cancels. Clocks are the client's (``time.perf_counter`` in one process with the server).
@@ -8,7 +10,8 @@ Sustained fps per stream = frames of chunks after the first / time from the firs
 The first stream of each level sends ``video.prompt`` after its second chunk; the figure is the time from sending
 it to the ``video.chunk`` event of the first chunk generated with it. Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/video_live.py --out video_live.json                      # H200: wan-1.3b-causal
+    PYTHONPATH=. python benchmarks/video_live.py --out video_live.json --seconds 62 \
+        --baseline old_causal.py                                                            # H200: wan-1.3b-causal
     PYTHONPATH=. python benchmarks/video_live.py --out cpu.json --preset tiny-causal --device cpu --dtype float32 \\
         --vae-dtype float32 --width 64 --height 64 --fps 8 --streams 1,2 --seconds 4 --no-clip
 """
