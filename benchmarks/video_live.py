@@ -1,6 +1,8 @@
 """Live chunk-causal video through the real server: first fragment, first client-decoded frame, sustained fps per
 stream for several concurrent live streams, prompt change to first chunk with it; then where a chunk's time goes
 (transformer forwards by batch size, VAE, H.264 encode, fMP4 mux), and the whole-clip path on the same shapes.
+With ``--baseline`` (a copy of an earlier ``causal.py``), that forward is timed beside the served one, checked
+against it, and both get a kernel census.
 
 Each level starts N websockets clients together on ``WS /v1/realtime/video`` (``video.create`` with ``live``); each
 reads for ``--seconds`` then cancels. Clocks are the client's (``time.perf_counter`` in one process with the server).
@@ -8,7 +10,8 @@ Sustained fps per stream = frames of chunks after the first / time from the firs
 The first stream of each level sends ``video.prompt`` after its second chunk; the figure is the time from sending
 it to the ``video.chunk`` event of the first chunk generated with it. Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/video_live.py --out video_live.json                      # H200: wan-1.3b-causal
+    PYTHONPATH=. python benchmarks/video_live.py --out video_live.json --seconds 62 \
+        --baseline old_causal.py                                                            # H200: wan-1.3b-causal
     PYTHONPATH=. python benchmarks/video_live.py --out cpu.json --preset tiny-causal --device cpu --dtype float32 \\
         --vae-dtype float32 --width 64 --height 64 --fps 8 --streams 1,2 --seconds 4 --no-clip
 """
@@ -31,8 +34,16 @@ import av
 import torch
 from websockets.asyncio.client import connect
 
+from benchmarks.video_forward import (
+    FORWARDS_PER_CHUNK,
+    census,
+    check,
+    forwards,
+    full_caches,
+    load_baseline,
+    time_chunk,
+)
 from omnigate.codecs.video import FragmentedMp4Writer
-from omnigate.engines.video.causal import ChunkKvCache, causal_forward
 from omnigate.engines.video.denoise import encode_prompt, to_rgb_frames, vae_latents
 from omnigate.engines.video.live import LiveVideoEngine
 from omnigate.engines.video.vae_stream import StreamingVaeDecoder
@@ -62,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--overlap-decode", action="store_true", help="decode each chunk on a second thread while the next denoises"
     )
+    parser.add_argument(
+        "--baseline", type=Path, help="a copy of an earlier causal.py: its forward timed beside the served one"
+    )
+    parser.add_argument("--baseline-batches", default="1,4", help="batch sizes the earlier forward is timed at")
     return parser.parse_args(argv)
 
 
@@ -173,27 +188,29 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
     context = encode_prompt(model, "a red fox running through deep snow")
     generator = torch.Generator().manual_seed(0)
 
-    def full_cache() -> ChunkKvCache:
-        cache = ChunkKvCache(args.cache_frames)
-        while cache.frames < args.cache_frames:
-            latents = torch.randn((1, *shape), generator=generator).to(device)
-            _, kv = causal_forward(
-                model.transformer, latents, torch.zeros(1, args.chunk, device=device), context, [cache]
-            )
-            cache.append(kv, args.chunk)
-        return cache
-
+    # Per forward: a chunk's 5 forwards timed together, each stream's cache its own with its past keys rotated
+    # afresh once per chunk, as when serving; the served forward, and the earlier code's where it is given (then
+    # also checked against it, and both get a kernel census at one stream).
+    ways = forwards(model, context, load_baseline(args.baseline) if args.baseline else None)
+    served = "current"
+    caches = full_caches(model, args, max(batches), shape)
     transformer: dict[str, float] = {}
-    cache = full_cache()
+    previous: dict[str, float] = {}
+    previous_batches = [int(b) for b in args.baseline_batches.split(",")] if args.baseline else []
     for batch in batches:
         latents = torch.randn((batch, *shape), generator=generator).to(device)
         times = torch.full((batch, args.chunk), 750.0, device=device)
-        caches = [cache] * batch
-        contexts = context.expand(batch, -1, -1)
-        transformer[str(batch)] = _timed(
-            device,
-            lambda x=latents, t=times, c=contexts, k=caches: causal_forward(model.transformer, x, t, c, k),
-        )
+        time_chunk(ways[served], latents, times, caches[:batch], 1)  # warm-up at this batch size
+        transformer[str(batch)] = time_chunk(ways[served], latents, times, caches[:batch], 2) / FORWARDS_PER_CHUNK
+        if batch in previous_batches:
+            time_chunk(ways["previous"], latents, times, caches[:batch], 1)
+            previous[str(batch)] = time_chunk(ways["previous"], latents, times, caches[:batch], 2) / FORWARDS_PER_CHUNK
+        print(f"forward at batch {batch}: {transformer[str(batch)]:.4f} s (previous {previous.get(str(batch))})")
+    checked = check(ways, model, shape, caches[:2], generator) if args.baseline else None
+    one = torch.randn((1, *shape), generator=generator).to(device)
+    at = torch.full((1, args.chunk), 750.0, device=device)
+    kernels = {name: census(forward, one, at, caches[:1]) for name, forward in ways.items()}
+    del caches
     clean = torch.randn((1, *shape), generator=generator).to(device)
     vae: dict[str, float] = {}
     for label, dtype in (("vae_dtype", model.vae.dtype), ("float32", torch.float32)):
@@ -233,7 +250,11 @@ def split(engine: LiveVideoEngine, args: argparse.Namespace, batches: list[int])
     # attention (QK^T and AV), cross-attention to the text ignored (512 keys).
     flops = 2 * params * tokens + 4 * int(config.num_layers) * tokens * window_tokens * dim
     return {
+        "forward_relative_error_to_previous": checked,
+        "forward_census_one_stream": kernels,
         "transformer_forward_s_by_batch": transformer,
+        "previous_transformer_forward_s_by_batch": previous,
+        "previous_achieved_tflops_by_batch": {b: flops * int(b) / t / 1e12 for b, t in previous.items()},
         "forwards_per_chunk": args.steps + 1,
         "vae_decode_chunk_s": vae,
         "encode_chunk_s": statistics.median(encode_s),
@@ -299,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not args.no_split:
                 report["split"] = split(engine, args, levels)
-                print("split", json.dumps(report["split"], default=str), flush=True)
+                brief = {k: v for k, v in report["split"].items() if k != "forward_census_one_stream"}
+                print("split", json.dumps(brief, default=str), flush=True)
+                for name, found in report["split"]["forward_census_one_stream"].items():
+                    print("census", name, json.dumps(found["per_forward_ms_by_kind"]), flush=True)
                 args.out.write_text(json.dumps(report, indent=1, default=str))
             if not (args.no_clip or args.no_split):
                 report["whole_clip"] = whole_clip(engine, args)

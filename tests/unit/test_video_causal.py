@@ -101,6 +101,25 @@ def test_streams_batched_in_one_forward_get_what_each_gets_alone(transformer: An
         causal_forward(transformer, batch, timesteps, torch.cat(contexts), [alone[0][1], ChunkKvCache(12)])
 
 
+def test_the_past_keys_are_rotated_once_per_cache_state_and_reused_by_every_forward(transformer: Any) -> None:
+    chunks = [random(1, 16, CHUNK, 8, 8, seed=40 + i) for i in range(3)]
+    context = random(1, 16, 32, seed=6)
+    first, cache = chunked(transformer, chunks, 750.0, context, window=12)
+    layers = len(transformer.blocks)
+    assert len(cache.rotated_keys) == layers  # made by that forward, for the cache as it is now
+    made = list(cache.rotated_keys)
+    again, _ = causal_forward(transformer, chunks[-1], torch.full((1, CHUNK), 750.0), context, [cache])
+    assert all(a is b for a, b in zip(cache.rotated_keys, made, strict=True))  # reused, not rotated again
+    assert torch.equal(again, first)
+    # A cache of other keys at the same positions gives other rotated keys: nothing is kept across cache states.
+    _, kv = causal_forward(transformer, chunks[-1], torch.zeros(1, CHUNK), context, [cache])
+    cache.append(kv, CHUNK)
+    assert cache.rotated_keys == []
+    causal_forward(transformer, chunks[0], torch.full((1, CHUNK), 750.0), context, [cache])
+    assert len(cache.rotated_keys) == layers and cache.rotated_keys[0].shape[1] == cache.tokens
+    assert cache.nbytes == sum(3 * k.numel() * k.element_size() for k, _ in cache.layers)
+
+
 def test_few_step_sigmas_are_self_forcings_warped_timesteps() -> None:
     sigmas = few_step_sigmas(4, 5.0)
     assert sigmas[0] == 1.0 and all(a > b for a, b in itertools.pairwise(sigmas))

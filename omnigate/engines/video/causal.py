@@ -10,6 +10,11 @@ Keys are cached before the rotary embedding and rotated at attention time by the
 the cache can drop its oldest chunks (a rolling window) while positions stay those a full recompute of the window's
 chunks would use. Timesteps are per latent frame, so one forward can hold clean and noisy frames (the full
 recompute that tests hold the cache equal to) and several streams at different steps (batching).
+
+A cache's past keys are rotated once per cache state (they keep their positions for all the forwards of the next
+chunk) instead of at every forward, and the elementwise work around attention and the feed-forward takes fewer
+passes over memory than diffusers' modules (rotary as one complex product, residuals without copies); what a block
+computes is Wan's, in the same precisions (float32 norms, modulation and residuals).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class ChunkKvCache:
     window: int  # latent frames kept
     layers: list[KeyValue] = field(default_factory=list)
     chunk_frames: deque[int] = field(default_factory=deque)
+    # per layer, the keys above rotated at their place in the window: the same for every forward until the next
+    # append, so they are rotated once per chunk (filled by the first forward after an append)
+    rotated_keys: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def frames(self) -> int:
@@ -43,11 +51,13 @@ class ChunkKvCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        tensors = [t for pair in self.layers for t in pair] + self.rotated_keys
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def append(self, chunk: Sequence[KeyValue], frames: int) -> None:
         """Add a clean chunk's keys and values (one ``(1, tokens, heads, head_dim)`` pair per layer), then drop the
         oldest chunks while more than ``window`` frames are kept."""
+        self.rotated_keys = []
         if self.layers:
             self.layers = [
                 (torch.cat([k, new_k], dim=1), torch.cat([v, new_v], dim=1))
@@ -66,6 +76,7 @@ class ChunkKvCache:
 
     def clear(self) -> None:
         self.layers = []
+        self.rotated_keys = []
         self.chunk_frames.clear()
 
 
@@ -76,11 +87,9 @@ def few_step_sigmas(steps: int, shift: float) -> list[float]:
     return [shift * s / (1.0 + (shift - 1.0) * s) for s in levels]
 
 
-def _rotary_tables(
-    transformer: Any, frame_index: torch.Tensor, tokens_hw: int, pph: int, ppw: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``(batch, tokens, 1, head_dim)`` for tokens whose latent frame is ``frame_index`` (batch, tokens),
-    laid out frame-major like Wan's patches; Wan's 3D rotary split (time, height, width)."""
+def _rotary_tables(transformer: Any, frame_index: torch.Tensor, tokens_hw: int, pph: int, ppw: int) -> torch.Tensor:
+    """Wan's 3D rotary split (time, height, width) as complex ``cos + i sin`` ``(batch, tokens, 1, head_dim / 2)``
+    for tokens whose latent frame is ``frame_index`` (batch, tokens), laid out frame-major like Wan's patches."""
     rope = transformer.rope
     sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
     tables = []
@@ -96,17 +105,31 @@ def _rotary_tables(
         batch, tokens = frame_index.shape
         position_hw = hw.repeat(tokens // tokens_hw, 1).expand(batch, -1, -1)
         tables.append(torch.cat([t[frame_index], position_hw], dim=-1).unsqueeze(2))
-    return tables[0], tables[1]
+    cos, sin = tables
+    return torch.complex(cos[..., 0::2], sin[..., 1::2])  # the tables repeat each pair's angle: take one of each
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on interleaved pairs (diffusers' ``apply_rotary_emb``)."""
-    x1, x2 = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on interleaved pairs (diffusers' ``apply_rotary_emb``: each pair times cos and sin in
+    float32), as one complex product, back in ``x``'s dtype."""
+    pairs = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+
+def _norm_modulate(hidden: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    """Wan's float32 LayerNorm (no affine), modulated per latent frame (``scale``, ``shift``: (batch, frames, 1,
+    dim)), back in ``hidden``'s dtype."""
+    batch, tokens, dim = hidden.shape
+    normed = F.layer_norm(hidden.float(), (dim,), eps=eps).view(batch, scale.shape[1], -1, dim)
+    return torch.addcmul(shift, normed, 1 + scale).view(batch, tokens, dim).to(hidden.dtype)
+
+
+def _gated_residual(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``hidden + out * gate`` in float32 with a gate per latent frame, in ``dtype``."""
+    batch, tokens, dim = hidden.shape
+    frames = gate.shape[1]
+    summed = (out.view(batch, frames, -1, dim) * gate).add_(hidden.view(batch, frames, -1, dim))
+    return summed.view(batch, tokens, dim).to(dtype)
 
 
 @torch.no_grad()
@@ -140,25 +163,25 @@ def causal_forward(
     device = latents.device
 
     # Where each token sits in time: new frames follow the frames in the sample's cache. A batch's caches hold the
-    # same number of frames, so no key is padding (a mask would cost a (batch, heads, queries, keys) bias).
+    # same number of frames, so no key is padding (a mask would cost a (batch, heads, queries, keys) bias), and the
+    # queries of a chunk attend to [cached keys + their own chunk's keys] with no mask at all.
     lengths = {(0, 0) if cache is None or not cache.layers else (cache.frames, cache.tokens) for cache in caches or []}
     if len(lengths) > 1:
         raise ValueError("the caches of one batch must hold the same number of frames")
     cached, prefix = lengths.pop() if lengths else (0, 0)
-    query_frame = (cached + torch.arange(frames, device=device)).repeat_interleave(tokens_hw).expand(batch, -1)
-    q_cos, q_sin = _rotary_tables(transformer, query_frame, tokens_hw, pph, ppw)
+    query_frame = (cached + torch.arange(frames, device=device)).repeat_interleave(tokens_hw).view(1, -1)
+    rotation = _rotary_tables(transformer, query_frame, tokens_hw, pph, ppw)
+    past: _PastKeys | None = None
     mask: torch.Tensor | None = None
     if prefix:
-        key_frame = torch.arange(cached + frames, device=device).repeat_interleave(tokens_hw).expand(batch, -1)
-        k_cos, k_sin = _rotary_tables(transformer, key_frame, tokens_hw, pph, ppw)
-    else:
-        k_cos, k_sin = q_cos, q_sin
-        if chunk_frames is not None and chunk_frames < frames:
-            chunk_of = torch.arange(frames, device=device).repeat_interleave(tokens_hw) // chunk_frames
-            earlier = chunk_of.view(1, -1) <= chunk_of.view(-1, 1)
-            if window is not None:
-                earlier &= chunk_of.view(1, -1) >= chunk_of.view(-1, 1) - window // chunk_frames
-            mask = earlier.view(1, 1, tokens, tokens)
+        key_frame = torch.arange(cached, device=device).repeat_interleave(tokens_hw).view(1, -1)
+        past = _PastKeys([cache for cache in caches or [] if cache is not None], key_frame, (tokens_hw, pph, ppw))
+    elif chunk_frames is not None and chunk_frames < frames:
+        chunk_of = torch.arange(frames, device=device).repeat_interleave(tokens_hw) // chunk_frames
+        earlier = chunk_of.view(1, -1) <= chunk_of.view(-1, 1)
+        if window is not None:
+            earlier &= chunk_of.view(1, -1) >= chunk_of.view(-1, 1) - window // chunk_frames
+        mask = earlier.view(1, 1, tokens, tokens)
 
     hidden = transformer.patch_embedding(latents.to(transformer.dtype)).flatten(2).transpose(1, 2).contiguous()
     temb, projection, text, _ = transformer.condition_embedder(
@@ -167,10 +190,7 @@ def causal_forward(
     modulation = projection.unflatten(2, (6, -1)).unsqueeze(2)  # (batch, frames, 1, 6, dim): per frame
     new_kv: list[KeyValue] = []
     for index, block in enumerate(transformer.blocks):
-        layer_cache = [None if cache is None or not cache.layers else cache.layers[index] for cache in caches or []]
-        hidden = _block(
-            block, hidden, text, modulation, (q_cos, q_sin), (k_cos, k_sin), layer_cache, prefix, mask, new_kv, frames
-        )
+        hidden = _block(block, hidden, text, modulation, _Layer(transformer, index, rotation, past, mask), new_kv)
     shift, scale = (transformer.scale_shift_table.view(1, 1, 2, -1) + temb.unsqueeze(2)).unsqueeze(2).unbind(3)
     per_frame = transformer.norm_out(hidden.float()).view(batch, frames, tokens_hw, -1)
     hidden = (per_frame * (1 + scale) + shift).flatten(1, 2).type_as(hidden)
@@ -179,8 +199,47 @@ def causal_forward(
     return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3), new_kv
 
 
-def _by_frame(x: torch.Tensor, frames: int) -> torch.Tensor:
-    return x.view(x.shape[0], frames, -1, x.shape[-1])
+@dataclass
+class _PastKeys:
+    """The batch's caches and where their keys sit: each layer's keys are rotated once per cache state."""
+
+    caches: list[ChunkKvCache]
+    key_frame: torch.Tensor  # (1, cached tokens): each cached token's frame in the window
+    layout: tuple[int, int, int]  # tokens per frame, patches high, patches wide
+    rotation: torch.Tensor | None = None
+
+    def keys_values(self, transformer: Any, index: int) -> list[KeyValue]:
+        """Each sample's rotated past keys and its values at layer ``index``."""
+        for cache in self.caches:
+            if len(cache.rotated_keys) <= index:
+                if self.rotation is None:
+                    self.rotation = _rotary_tables(transformer, self.key_frame, *self.layout)
+                key, _ = cache.layers[index]
+                cache.rotated_keys.append(_rotate(key, self.rotation))
+        return [(cache.rotated_keys[index], cache.layers[index][1]) for cache in self.caches]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What one block's self-attention needs besides its input."""
+
+    transformer: Any
+    index: int
+    rotation: torch.Tensor  # of the new tokens
+    past: _PastKeys | None
+    mask: torch.Tensor | None
+
+
+def _with_past(past: list[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+    """``(batch, past + new tokens, heads, head_dim)``: each sample's past tokens, then its new ones (one copy)."""
+    if len(past) == 1:
+        return torch.cat([past[0], new], dim=1)
+    prefix = past[0].shape[1]
+    joined = new.new_empty((new.shape[0], prefix + new.shape[1], *new.shape[2:]))
+    for row, tensor in enumerate(past):
+        joined[row : row + 1, :prefix] = tensor
+    joined[:, prefix:] = new
+    return joined
 
 
 def _block(
@@ -188,41 +247,33 @@ def _block(
     hidden: torch.Tensor,
     text: torch.Tensor,
     modulation: torch.Tensor,
-    query_rope: tuple[torch.Tensor, torch.Tensor],
-    key_rope: tuple[torch.Tensor, torch.Tensor],
-    layer_cache: list[KeyValue | None],
-    prefix: int,
-    mask: torch.Tensor | None,
+    layer: _Layer,
     new_kv: list[KeyValue],
-    frames: int,
 ) -> torch.Tensor:
     """``WanTransformerBlock.forward`` with per-frame modulation and cached keys and values in self-attention."""
     shift, scale, gate, c_shift, c_scale, c_gate = (
         block.scale_shift_table.view(1, 1, 1, 6, -1) + modulation.float()
     ).unbind(3)
-    shape = hidden.shape
-    normed = (_by_frame(block.norm1(hidden.float()), frames) * (1 + scale) + shift).view(shape).type_as(hidden)
+    normed = _norm_modulate(hidden, scale, shift, block.norm1.eps)
     attn = block.attn1
-    query = attn.norm_q(attn.to_q(normed)).unflatten(2, (attn.heads, -1))
+    query = _rotate(attn.norm_q(attn.to_q(normed)).unflatten(2, (attn.heads, -1)), layer.rotation)
     key = attn.norm_k(attn.to_k(normed)).unflatten(2, (attn.heads, -1))
     value = attn.to_v(normed).unflatten(2, (attn.heads, -1))
     new_kv.append((key, value))
-    if prefix:
-        past = [entry for entry in layer_cache if entry is not None]
-        key = torch.cat([torch.cat([k for k, _ in past]), key], dim=1)
-        value = torch.cat([torch.cat([v for _, v in past]), value], dim=1)
-    query = _rotate(query, *query_rope).type_as(value)
-    key = _rotate(key, *key_rope).type_as(value)
+    rotated = _rotate(key, layer.rotation)
+    if layer.past is not None:
+        past = layer.past.keys_values(layer.transformer, layer.index)
+        rotated = _with_past([k for k, _ in past], rotated)
+        value = _with_past([v for _, v in past], value)
     out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+        query.transpose(1, 2), rotated.transpose(1, 2), value.transpose(1, 2), attn_mask=layer.mask
     )
     out = attn.to_out[0](out.transpose(1, 2).flatten(2, 3).type_as(hidden))
-    hidden = (_by_frame(hidden.float(), frames) + _by_frame(out, frames) * gate).view(shape).type_as(hidden)
+    hidden = _gated_residual(hidden, out, gate, hidden.dtype)
 
     normed = block.norm2(hidden.float()).type_as(hidden)
     hidden = hidden + block.attn2(normed, text, None, None)
 
-    normed = (_by_frame(block.norm3(hidden.float()), frames) * (1 + c_scale) + c_shift).view(shape).type_as(hidden)
+    normed = _norm_modulate(hidden, c_scale, c_shift, block.norm3.eps)
     out = block.ffn(normed)
-    hidden = (_by_frame(hidden.float(), frames) + _by_frame(out.float(), frames) * c_gate).view(shape)
-    return hidden.type_as(out)
+    return _gated_residual(hidden, out, c_gate, out.dtype)

@@ -195,15 +195,15 @@ class LiveVideoEngine(VideoEngine):
         return CPU_CACHE_BUDGET_BYTES
 
     def cache_bytes(self, request: VideoRequest) -> int:
-        """A stream's KV cache at its full window: every layer's keys and values of ``cache_frames`` latent frames,
-        plus the chunk being written."""
+        """A stream's KV cache at its full window: every layer's keys, rotated keys and values of ``cache_frames``
+        latent frames, plus the chunk being written."""
         config = self.model.transformer.config
         scale = self.model.size_multiple
         tokens = (request.width // scale) * (request.height // scale)
-        frames = self.options.cache_frames + request.chunk_frames
+        frames = 3 * self.options.cache_frames + 2 * request.chunk_frames
         dim = int(config.num_attention_heads) * int(config.attention_head_dim)
         element = torch.finfo(self.model.dtype).bits // 8
-        return int(config.num_layers) * 2 * frames * tokens * dim * element
+        return int(config.num_layers) * frames * tokens * dim * element
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
