@@ -63,6 +63,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Worker seconds per second of audio measured when the engine loaded, or None: headroom admission starts from it
     # until the pool has observed steps of its own.
     rtf_hint: float | None = None
+    # A batched engine's step time by batch size, measured when it loaded: (rows, seconds) pairs, rows ascending.
+    # Headroom admission prices rows by it from the first session on, and never below it (each row of a step makes
+    # ``min_credit_ms`` of audio).
+    step_profile: tuple[tuple[int, float], ...] = ()
 
     def voice_ids(self) -> frozenset[str]:
         return frozenset(v.id for v in self.voices)

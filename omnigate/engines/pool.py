@@ -167,6 +167,8 @@ class EnginePool:
         self.admission = AdmissionController(self.info.workers, self.info.max_sessions, self.info.max_batch, admission)
         if self.info.rtf_hint is not None:
             self.admission.seed(self.info.rtf_hint)
+        if self.info.step_profile:
+            self.admission.profile(self.info.step_profile, self.info.min_credit_ms)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 

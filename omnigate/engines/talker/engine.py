@@ -110,6 +110,8 @@ class TalkerEngine(Engine):
         self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
         if graphs and options.prefill_graph_tokens:
             self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
+        # Step time by batch size, for admission to price rows with before any session stepped.
+        profile = tuple(self.device_step.time_steps(_profile_sizes(options.max_batch)))
         self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
         self.sample_rate = self.codec.sample_rate
         self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate
@@ -141,6 +143,7 @@ class TalkerEngine(Engine):
             workers=1,
             synthetic=model.random_weights,
             min_credit_ms=self.frame_ms,
+            step_profile=profile,
         )
 
     @classmethod
@@ -545,6 +548,12 @@ class _PrefillUnit:
     @property
     def size(self) -> int:
         return (0 if self.context is None else int(self.context.shape[0])) + len(self.tokens)
+
+
+def _profile_sizes(max_batch: int) -> list[int]:
+    """Batch sizes whose step time is measured at load: powers of two below ``max_batch``, and ``max_batch``."""
+    sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
+    return [*sizes, max_batch]
 
 
 def _talker_stream(stream: EngineStream) -> TalkerStream:
