@@ -258,7 +258,7 @@ class TalkerEngine(Engine):
         batch = [_talker_stream(s) for s in streams]
         with torch.no_grad():
             flight, self._in_flight = self._in_flight, None
-            deferred = [] if flight is None else self._collect(flight, batch)
+            collected, deferred = (None, []) if flight is None else self._collect(flight, batch)
             t1 = time.perf_counter()
             waited_collect = self._waited_s
             endings: dict[int, StopReason] = {}
@@ -267,9 +267,11 @@ class TalkerEngine(Engine):
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
             t3 = time.perf_counter()
-            for stream, index, pcm in deferred:
-                if not (stream.finished or stream.closed):
-                    stream.pending[index] = _le_bytes(pcm)
+            if collected is not None and deferred:
+                frames = _FrameViews(collected.pcm)
+                for stream, index, k in deferred:
+                    if not (stream.finished or stream.closed):
+                        stream.pending[index] = frames[k]
             self._emit_audio(batch, budget_ms, endings)
         for row, reason in endings.items():
             self._end_segment(batch[row], reason)
@@ -288,15 +290,16 @@ class TalkerEngine(Engine):
 
     def _collect(
         self, flight: _InFlight, batch: list[TalkerStream]
-    ) -> list[tuple[TalkerStream, int, np.ndarray[Any, np.dtype[np.int16]]]]:
-        """Wait for the device step the previous call launched and file what the next plan depends on. Returns the
-        frames whose PCM is still to be copied into their stream's held frames (after the next launch, from the
-        other host buffer than the one the next step writes)."""
+    ) -> tuple[StepResult, list[tuple[TalkerStream, int, int]]]:
+        """Wait for the device step the previous call launched and file what the next plan depends on. Returns its
+        result and the frames whose PCM is still to be copied into their stream's held frames, as (stream, index in
+        its held frames, row of the result): copied after the next launch, all rows in one pass, from the other host
+        buffer than the one the next step writes."""
         result = self._wait_for(flight.buffer)
         rows = {id(stream): row for row, stream in enumerate(batch)}
         ended = result.ended.tolist()
         rms = result.rms.tolist()
-        deferred: list[tuple[TalkerStream, int, np.ndarray[Any, np.dtype[np.int16]]]] = []
+        deferred: list[tuple[TalkerStream, int, int]] = []
         for k, stream in enumerate(flight.streams):
             stream.in_flight = False
             row = rows.get(id(stream))
@@ -304,18 +307,18 @@ class TalkerEngine(Engine):
                 # Not in this call (the batch was full): close() may run meanwhile, so file it whole, under the lock.
                 with self._slot_lock:
                     if not (stream.closed or stream.finished):
-                        self._file_ending(stream, self._file_frame(stream, ended[k], result.pcm[k], rms[k]))
+                        self._file_ending(stream, self._file_frame(stream, ended[k], _le_bytes(result.pcm[k]), rms[k]))
                 continue
             if stream.closed or stream.finished:
                 continue  # aborted, or finished by silence after this frame was launched: the frame is dropped
             ending = self._file_frame(stream, ended[k], None, rms[k])
             if ending is None:
-                deferred.append((stream, len(stream.pending) - 1, result.pcm[k]))
+                deferred.append((stream, len(stream.pending) - 1, k))
                 continue
             if not ended[k]:
                 stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
             self._file_ending(stream, ending)
-        return deferred
+        return result, deferred
 
     def _wait_for(self, buffer: int) -> StepResult:
         """The device step's result, the time waited for it counted as the step's device wait."""
@@ -447,8 +450,9 @@ class TalkerEngine(Engine):
         result = self._wait_for(buffer)
         ended = result.ended.tolist()
         rms = result.rms.tolist()
+        frames = _FrameViews(result.pcm)
         for k, row in enumerate(rows):
-            ending = self._file_frame(batch[row], ended[k], result.pcm[k], rms[k])
+            ending = self._file_frame(batch[row], ended[k], frames[k], rms[k])
             if ending is not None:
                 endings[row] = ending
 
@@ -470,7 +474,7 @@ class TalkerEngine(Engine):
         self,
         stream: TalkerStream,
         ended: bool,
-        pcm: np.ndarray[Any, np.dtype[np.int16]] | None,
+        pcm: bytes | memoryview | None,
         rms: float,
     ) -> StopReason | None:
         """Hold a stream's new frame (its PCM, or an empty placeholder for it when ``pcm`` is None); returns why the
@@ -478,7 +482,7 @@ class TalkerEngine(Engine):
         segment = _segment(stream)
         if ended:
             return "completed"
-        stream.pending.append(b"" if pcm is None else _le_bytes(pcm))
+        stream.pending.append(b"" if pcm is None else pcm)
         stream.pending_rms.append(rms)
         stream.audio_frames += 1
         segment.frames += 1
@@ -572,6 +576,18 @@ def _slot(stream: TalkerStream) -> int:
     if stream.slot is None:
         raise RuntimeError("stream holds no slot")
     return stream.slot
+
+
+class _FrameViews:
+    """A step's PCM table ``[rows, samples]`` copied off the host buffer in one pass, little-endian; row ``k`` is a
+    view of that copy (a stream's held frames keep it alive until they are sent)."""
+
+    def __init__(self, pcm: np.ndarray[Any, np.dtype[np.int16]]) -> None:
+        self._blob = memoryview(_le_bytes(pcm))
+        self._stride = int(pcm.shape[1]) * 2 if pcm.ndim == 2 else 0
+
+    def __getitem__(self, row: int) -> memoryview:
+        return self._blob[row * self._stride : (row + 1) * self._stride]
 
 
 def _le_bytes(samples: np.ndarray[Any, np.dtype[np.int16]]) -> bytes:

@@ -207,23 +207,14 @@ class FrameStep:
             raise RuntimeError("a step is in flight")
         timings: list[tuple[int, float]] = []
         for size in sizes:
-            graphs = self.graphs
-            if graphs is not None:
-                bucket = graphs.bucket(size)
-
-                def run() -> None:
-                    graphs.replay(bucket)
-
-            else:
-
-                def run() -> None:
-                    self._compute(size, size)
-
             times = []
             for _ in range(reps + 1):
                 self._synchronize()
                 started = time.perf_counter()
-                run()
+                if self.graphs is not None:
+                    self.graphs.replay(self.graphs.bucket(size))
+                else:
+                    self._compute(size, size)
                 self._synchronize()
                 times.append(time.perf_counter() - started)
             timings.append((size, statistics.median(times[1:])))

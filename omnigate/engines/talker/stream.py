@@ -42,7 +42,8 @@ class TalkerStream(EngineStream):
         self.has_context = False  # something is in the KV cache: a new segment first closes the previous audio
         # the next unit's text and its tokens, kept while it waits for room in a step's prefill (tokenized once)
         self.head_tokens: tuple[str, list[int]] | None = None
-        self.pending: list[bytes] = []  # decoded frames (s16le PCM) not yet sent, one entry per frame
+        # decoded frames (s16le PCM) not yet sent, one entry per frame (views of their step's PCM, copied once)
+        self.pending: list[bytes | memoryview] = []
         self.pending_rms: list[float] = []  # their RMS levels, for the silence detector
         self.chunk = 0  # position in the chunk ramp
         self.restart_ramp = False  # the stream ran out of text, so its client's buffer may have drained
