@@ -298,11 +298,12 @@ class EnginePool:
             self._cond.notify()
             return ps
 
-    def push_text(self, ps: PoolStream, text: str) -> None:
+    def push_text(self, ps: PoolStream, text: str, tokens: list[int] | None = None) -> None:
+        """Queue a text unit, with its token ids where the caller made them (:attr:`EngineInfo.unit_tokens`)."""
         with self._cond:
             if ps.closed or ps.stream.input_done:
                 return
-            ps.stream.pending_text.append(text)
+            ps.stream.push_text(text, tokens)
             ps.waiting_since = time.monotonic()
             self._cond.notify()
 

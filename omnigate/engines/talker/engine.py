@@ -47,6 +47,7 @@ from omnigate.engines.base import (
     StopReason,
     StreamDone,
     SynthesisParams,
+    UnitTokens,
     VoiceInfo,
     validate_params,
 )
@@ -144,7 +145,16 @@ class TalkerEngine(Engine):
             synthetic=model.random_weights,
             min_credit_ms=self.frame_ms,
             step_profile=profile,
+            unit_tokens=self._unit_tokens(),
         )
+
+    def _unit_tokens(self) -> UnitTokens | None:
+        """How gateway processes may tokenize text units for this model (its tokenizer, readable there)."""
+        segments = self.model.segments
+        if segments.source is None:
+            return None
+        vocab = int(self.model.csm.embed_text_tokens.num_embeddings)
+        return UnitTokens("csm", segments.source, segments.bos_id, segments.eos_id, vocab)
 
     @classmethod
     def load(cls, model: str | None, **options: Any) -> TalkerEngine:
@@ -189,6 +199,7 @@ class TalkerEngine(Engine):
                 threshold_dbfs=self.options.silence_dbfs, seconds=self.options.silence_s, frame_ms=self.frame_ms
             ),
             context=tuple(context),
+            unit_tokens=self.info.unit_tokens,
         )
 
     def _context_tokens(self, context: Sequence[ContextSegment]) -> int:
@@ -227,6 +238,7 @@ class TalkerEngine(Engine):
         with self._slot_lock:
             stream.pending.clear()
             stream.pending_rms.clear()
+            stream.forget_tokens()
             if stream.slot is not None:
                 self._free_slots.append(stream.slot)
                 stream.slot = None
@@ -373,7 +385,10 @@ class TalkerEngine(Engine):
             return None
         text = stream.pending_text[0]
         if stream.head_tokens is None or stream.head_tokens[0] is not text:
-            stream.head_tokens = (text, self.model.segments.encode(stream.params.voice, text))
+            given = stream.take_tokens(text)
+            if given is None:
+                given = self.model.segments.encode(stream.params.voice, text)
+            stream.head_tokens = (text, given)
         tokens = stream.head_tokens[1]
         if room is not None and len(tokens) + 1 > room:
             return None  # this step's prefill is full; the unit starts next step, its tokens kept
