@@ -23,6 +23,7 @@ CSM segment spoken with the earlier segments' text and audio as context.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -63,6 +64,7 @@ from omnigate.engines.talker.stopping import SilenceDetector, frame_limit
 from omnigate.engines.talker.stream import Segment, TalkerStream
 
 FAMILY = "talker"
+log = logging.getLogger(__name__)
 _SEED_MASK = (1 << 62) - 1
 PRESET_MS_PER_CHAR = 60.0
 STAGES = ("device_wait", "file", "plan", "launch", "emit")
@@ -113,6 +115,7 @@ class TalkerEngine(Engine):
             self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
         # Step time by batch size, for admission to price rows with before any session stepped.
         profile = tuple(self.device_step.time_steps(_profile_sizes(options.max_batch)))
+        log.info("talker step time by batch size: %s", ", ".join(f"{rows}: {s * 1e3:.1f} ms" for rows, s in profile))
         self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
         self.sample_rate = self.codec.sample_rate
         self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate
