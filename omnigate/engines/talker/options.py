@@ -31,12 +31,10 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Launch each device step before filing the previous one's outputs (the host work overlaps the device's).
     # None: on for CUDA devices.
     overlap_steps: bool | None = None
-    # More new text waits for the next step. This bounds how many units start per second: at 1,500 sessions of
-    # csm-1b on an H200 they need ~27k tokens/s and 1,024 a step (~28 steps/s) made them queue.
-    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more new text waits for the next step
     # With CUDA graphs, prefills of up to this many tokens replay a captured graph; larger ones (reference audio, a
     # raised per-step budget) run eagerly. 0: every prefill runs eagerly.
-    prefill_graph_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 2048
+    prefill_graph_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 1024
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.9  # 0: greedy
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 50  # 0: no top-k
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # 1: no top-p
