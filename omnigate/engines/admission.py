@@ -21,6 +21,10 @@ Three more rules keep admitted streams on time:
 
 * Before anything is measured (no audio produced yet, and no estimate from the engine's load: :meth:`seed`) the
   slots admit; the first steps measure the cost, and the rule below guards the start.
+* A batched engine that measured its step time by batch size at load (:meth:`profile`) is priced by it from the
+  first session on and never below it: the first steps are small batches whose cost barely grows with their rows,
+  so the measured line alone would price a new row as free until the batch is large, and a burst of sessions
+  arriving at once would be admitted past what the device steps within a frame.
 * A stream picked later than its deadline by more than ``late_tolerance_s``, after it had been waiting for a worker,
   closes admission for ``late_hold_s``: the estimate was wrong (cores taken by others, longer texts), and the streams
   already admitted come first.
@@ -44,8 +48,10 @@ Policy ``slots`` admits by the slot count alone (the behaviour without headroom)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -119,6 +125,8 @@ class AdmissionController:
         self._ad = 0.0
         self._decayed_at: float | None = None
         self._closed_until = -math.inf
+        self._profile: tuple[tuple[int, float], ...] = ()
+        self._profile_audio_s = 0.0
         self.refused_total = 0
         self.late_total = 0
 
@@ -126,6 +134,18 @@ class AdmissionController:
         """Start from ``cost`` (measured at load) as if ``weight_audio_s`` of audio had been observed at it."""
         if cost > 0 and weight_audio_s > 0:
             self._add(cost * weight_audio_s, weight_audio_s, 1)
+
+    def profile(self, steps: Sequence[tuple[int, float]], audio_ms_per_row: float) -> None:
+        """Price steps by ``steps``, (rows, seconds) pairs measured at load, each row making ``audio_ms_per_row``
+        of audio: :meth:`load` is never below what they say, and is known before any step was observed."""
+        by_rows: dict[int, float] = {}
+        for rows, seconds in steps:
+            if rows >= 1 and seconds > 0:
+                by_rows[int(rows)] = max(float(seconds), by_rows.get(int(rows), 0.0))
+        points = tuple(sorted(by_rows.items()))
+        if points and audio_ms_per_row > 0:
+            self._profile = points
+            self._profile_audio_s = audio_ms_per_row / 1000.0
 
     # ---- what the pool reports ---------------------------------------------------------------------------------
 
@@ -223,10 +243,16 @@ class AdmissionController:
 
         A one-stream-per-step engine costs in proportion to the audio it makes (the ratio of worker time to audio).
         A batched engine's step has a fixed part its streams share and a part per audio (a least-squares line of
-        step time over step audio); while the batch size has not varied, the step time counts as fixed.
+        step time over step audio); while the batch size has not varied, the step time counts as fixed. With a
+        step profile (:meth:`profile`), the load is at least the profile's: every stream stepped once per frame.
         """
+        floor = self._profile_load(streams)
         if self._a <= 0.0:
-            return None
+            return floor
+        measured = self._measured_load(streams)
+        return measured if floor is None else max(measured, floor)
+
+    def _measured_load(self, streams: float) -> float:
         if self.max_batch == 1:
             return streams * self._d / self._a
         mean_a, mean_d = self._a / self._n, self._d / self._n
@@ -238,6 +264,14 @@ class AdmissionController:
         audio_per_stream_step = self._a / self._b
         batch = min(self.max_batch, max(1, math.ceil(streams / self.workers)))
         return slope * streams + fixed * streams / (batch * audio_per_stream_step)
+
+    def _profile_load(self, streams: float) -> float | None:
+        """Worker seconds per second that ``streams`` need by the step profile: batches of up to ``max_batch``
+        rows per worker, each row ``_profile_audio_s`` of audio per step; None without a profile."""
+        if not self._profile:
+            return None
+        batch = min(self.max_batch, max(1, math.ceil(streams / self.workers)))
+        return streams * _interpolate(self._profile, batch) / (batch * self._profile_audio_s)
 
     def headroom(self, now: float, slack_s: float | None = None, limit: int | None = None) -> int:
         """How many more streams the workers would carry now, beyond the active ones (at most ``limit``).
@@ -293,6 +327,8 @@ class AdmissionController:
             return True  # nothing measured yet: the first steps measure it, and a late stream closes admission
         if priced <= self.workers * target_load + 1e-9:
             return True
+        if self._profile:
+            return False  # a row's cost is known from the profile: none is free
         # A batch slot that adds no measurable work (a fixed-cost step, where a young stream is one more row like
         # any other) is free while the workers keep up.
         before, after = self.load(streams), self.load(streams + 1)
@@ -327,3 +363,16 @@ class AdmissionController:
             if opened_at + self.settings.young_max_s > now:
                 break
             del self._young[ticket]
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], rows: int) -> float:
+    """Seconds of a step of ``rows`` rows: linear between the measured sizes, the last segment extended, never below
+    the smallest step measured."""
+    if len(points) == 1 or rows <= points[0][0]:
+        return points[0][1]
+    (r0, s0), (r1, s1) = points[-2], points[-1]
+    for low, high in itertools.pairwise(points):
+        if rows <= high[0]:
+            (r0, s0), (r1, s1) = low, high
+            break
+    return max(points[0][1], s0 + (s1 - s0) * (rows - r0) / (r1 - r0))

@@ -44,6 +44,21 @@ class EngineCapabilities(msgspec.Struct, frozen=True):
     languages: tuple[str, ...] = ("en",)
 
 
+class UnitTokens(msgspec.Struct, frozen=True):
+    """How a caller turns a text unit into the token ids the engine would make of it, so that the tokenization runs
+    where the text arrives (a gateway process) and the ids cross to the engine with the text.
+
+    ``template`` is the prompt's layout (``csm``: ``<bos>[speaker]text<eos>``); ``tokenizer`` is ``bytes`` (each
+    UTF-8 byte its own id) or the path of a ``tokenizer.json`` file; ids are below ``vocab_size``.
+    """
+
+    template: Literal["csm"]
+    tokenizer: str
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+
+
 class EngineInfo(msgspec.Struct, frozen=True):
     """Static facts about a loaded engine."""
 
@@ -63,6 +78,12 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Worker seconds per second of audio measured when the engine loaded, or None: headroom admission starts from it
     # until the pool has observed steps of its own.
     rtf_hint: float | None = None
+    # A batched engine's step time by batch size, measured when it loaded: (rows, seconds) pairs, rows ascending.
+    # Headroom admission prices rows by it from the first session on, and never below it (each row of a step makes
+    # ``min_credit_ms`` of audio).
+    step_profile: tuple[tuple[int, float], ...] = ()
+    # How callers may tokenize text units for the engine (:meth:`EngineStream.push_text`), or None.
+    unit_tokens: UnitTokens | None = None
 
     def voice_ids(self) -> frozenset[str]:
         return frozenset(v.id for v in self.voices)
@@ -146,6 +167,11 @@ class EngineStream(abc.ABC):
         self.pending_text: list[str] = []
         self.input_done = False
         self.audio_ms = 0.0
+
+    def push_text(self, text: str, tokens: list[int] | None = None) -> None:
+        """Queue a text unit. ``tokens``: its ids as :attr:`EngineInfo.unit_tokens` makes them, where the caller
+        computed them; an engine that tokenizes may use them instead of tokenizing the unit itself."""
+        self.pending_text.append(text)
 
     @property
     @abc.abstractmethod

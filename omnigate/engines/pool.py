@@ -167,6 +167,8 @@ class EnginePool:
         self.admission = AdmissionController(self.info.workers, self.info.max_sessions, self.info.max_batch, admission)
         if self.info.rtf_hint is not None:
             self.admission.seed(self.info.rtf_hint)
+        if self.info.step_profile:
+            self.admission.profile(self.info.step_profile, self.info.min_credit_ms)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -247,7 +249,12 @@ class EnginePool:
             now = time.monotonic()
             ticket = None
             if len(self._streams) < self.info.max_sessions:
-                ticket = self.admission.reserve(now, self._slack_locked(now))
+                # The cost and a closed period first: under overload most asks are refused there, without the scan
+                # of every stream that the slack takes (thousands of refusals a second would spend it each time).
+                if self.admission.headroom(now, None, limit=1) > 0:
+                    ticket = self.admission.reserve(now, self._slack_locked(now))
+                else:
+                    self.admission.refused_total += 1
             if ticket is None:
                 raise PoolFull(self.admission.retry_after_s(now, self._retry_after_s))
             return ticket
@@ -296,11 +303,12 @@ class EnginePool:
             self._cond.notify()
             return ps
 
-    def push_text(self, ps: PoolStream, text: str) -> None:
+    def push_text(self, ps: PoolStream, text: str, tokens: list[int] | None = None) -> None:
+        """Queue a text unit, with its token ids where the caller made them (:attr:`EngineInfo.unit_tokens`)."""
         with self._cond:
             if ps.closed or ps.stream.input_done:
                 return
-            ps.stream.pending_text.append(text)
+            ps.stream.push_text(text, tokens)
             ps.waiting_since = time.monotonic()
             self._cond.notify()
 

@@ -187,6 +187,30 @@ def test_a_batched_engine_shares_its_fixed_step_cost() -> None:
     assert fixed.headroom(1.0) == 64
 
 
+def test_a_step_profile_prices_a_burst_of_sessions_before_any_step_and_no_row_is_free() -> None:
+    # Measured at load: a step of R rows takes 10 ms + 40 us per row and each row makes 80 ms of audio, so within
+    # 0.8 of the worker 1,350 rows fit; a session young at three rows, a burst of 1,350 / 3 of them fits.
+    profile = [(rows, 0.010 + 0.00004 * rows) for rows in (1, 2, 4, 64, 256, 1024)]
+    admission = AdmissionController(1, max_streams=1536, max_batch=1536)
+    admission.profile(profile, 80.0)
+    admitted = 0
+    while admission.reserve(0.0) is not None:
+        admitted += 1
+    assert admitted == 450
+    assert admission.load(1350) == pytest.approx(0.8)  # beyond the largest size measured, its last segment extended
+    # The first steps are small and cost the same whatever their rows: measured alone they would price a new row as
+    # free, and admit to the slots; the profile stays the floor.
+    steady = AdmissionController(1, max_streams=1536, max_batch=1536, settings=AdmissionSettings(young_cost_factor=1))
+    steady.profile(profile, 80.0)
+    for t, batch in enumerate([1, 2, 4, 8] * 10):
+        steady.observe_step(t * 0.01, 0.010, 80.0 * batch, batch)
+    for _ in range(1349):
+        steady.opened(1.0)
+    assert steady.headroom(1.0) == 1
+    steady.opened(1.0)
+    assert steady.headroom(1.0) == 0 and not steady.admits(1.0)
+
+
 def test_slots_policy_counts_slots_only() -> None:
     admission = AdmissionController(1, max_streams=2, settings=AdmissionSettings(policy="slots"))
     admission.observe_step(0.0, 10.0, 100.0)  # a cost that headroom would refuse everything at

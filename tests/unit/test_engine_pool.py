@@ -268,3 +268,19 @@ async def test_a_stream_is_young_until_its_audio_runs_ahead_of_its_playback() ->
         assert pool.admission.young == 0 and pool.admission.active == 0
     finally:
         await asyncio.to_thread(pool.stop)
+
+
+def test_a_place_refused_by_its_cost_is_refused_without_scanning_the_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = EnginePool(SyntheticEngine(SyntheticConfig(max_sessions=8)), admission=AdmissionSettings())
+    pool.admission.observe_step(0.0, 10.0, 1000.0)  # ten worker seconds per second of audio: nothing more fits
+    assert pool.reserve() is not None  # an idle pool takes one session whatever it costs
+
+    def scan(now: float) -> float | None:
+        raise AssertionError("the slack of every stream was computed for a refusal the cost decides")
+
+    monkeypatch.setattr(pool, "_slack_locked", scan)
+    with pytest.raises(PoolFull):
+        pool.reserve()
+    assert pool.admission.refused_total == 1

@@ -427,3 +427,13 @@ def test_the_steps_time_is_counted_by_stage() -> None:
     stages = timed.stage_seconds()
     # every stage ran, and a stage's time is never negative (the device wait is not counted twice)
     assert all(seconds > 0 for seconds in stages.values()), stages
+
+
+def test_the_step_time_by_batch_size_is_measured_at_load_and_prices_admission() -> None:
+    fresh = make_engine()
+    profile = fresh.info.step_profile
+    assert [rows for rows, _ in profile] == [1, 2, 4] and all(seconds > 0 for _, seconds in profile)
+    pool = EnginePool(fresh)  # not started: only its admission is read
+    # Priced before any step ran: four streams stepped once per 80 ms frame, at least at the step of four rows.
+    load = pool.admission.load(4)
+    assert load is not None and load >= profile[-1][1] / 0.080 - 1e-12

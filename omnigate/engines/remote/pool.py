@@ -54,6 +54,7 @@ from omnigate.engines.remote.protocol import (
 )
 from omnigate.engines.remote.router import SessionRouter
 from omnigate.engines.remote.transport import ReplicaDirectory, ReplicaTransport, ReplicaUnavailable
+from omnigate.engines.unit_tokens import UnitEncoder, load_unit_encoder
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class RemoteStream:
     session: Hashable | None
     credit_limit_ms: float
     texts: list[str] = field(default_factory=list)  # pushed before the replica admitted the stream
+    tokens: list[list[int] | None] = field(default_factory=list)  # their ids, where this gateway made them
     input_done: bool = False
     acked: bool = False
     closed: bool = False
@@ -103,6 +105,7 @@ class SessionPlace:
 @dataclass(eq=False)
 class _Ops:
     texts: list[str] = field(default_factory=list)
+    tokens: list[list[int] | None] = field(default_factory=list)
     input_done: bool = False
     credit_limit_ms: float = 0.0
 
@@ -121,11 +124,19 @@ class ControlChannel:
         self._ops: dict[str, _Ops] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, stream_id: str, texts: list[str], input_done: bool, credit_limit_ms: float) -> None:
+    def add(
+        self,
+        stream_id: str,
+        texts: list[str],
+        input_done: bool,
+        credit_limit_ms: float,
+        tokens: list[list[int] | None] | None = None,
+    ) -> None:
         ops = self._ops.get(stream_id)
         if ops is None:
             ops = self._ops[stream_id] = _Ops()
         ops.texts.extend(texts)
+        ops.tokens.extend(tokens if tokens is not None and len(tokens) == len(texts) else [None] * len(texts))
         ops.input_done = ops.input_done or input_done
         ops.credit_limit_ms = max(ops.credit_limit_ms, credit_limit_ms)
         if self._task is None:
@@ -146,7 +157,10 @@ class ControlChannel:
                 ops, self._ops = self._ops, {}
                 batch = ControlBatch(
                     self._pool.gateway_id,
-                    [StreamOps(sid, o.texts, o.input_done, o.credit_limit_ms) for sid, o in ops.items()],
+                    [
+                        StreamOps(sid, o.texts, _unit_ids(o.tokens), o.input_done, o.credit_limit_ms)
+                        for sid, o in ops.items()
+                    ],
                 )
                 try:
                     reply = await self._transport.control(encode(batch))
@@ -193,6 +207,8 @@ class RemoteEnginePool:
         self._links: dict[str, ReplicaLink] = {}
         self._streams: dict[str, RemoteStream] = {}
         self._info: EngineInfo | None = None
+        # makes text units' token ids here, so that the engine does not (None: the text crosses alone)
+        self._encoder: UnitEncoder | None = None
         self._poller: asyncio.Task[None] | None = None
         self._places: set[asyncio.Task[None]] = set()  # the calls holding sessions' places
         self._closing = False
@@ -211,6 +227,7 @@ class RemoteEnginePool:
                 if self._info is not None:
                     break
                 await asyncio.sleep(self._poll_interval_s)
+        self._encoder = await asyncio.to_thread(load_unit_encoder, self._info.unit_tokens)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever(), name="engine-replica-poller")
 
     async def close(self) -> None:
@@ -351,10 +368,12 @@ class RemoteEnginePool:
     def push_text(self, ps: RemoteStream, text: str) -> None:
         if ps.closed or ps.input_done:
             return
+        ids = None if self._encoder is None else self._encoder.encode(ps.params.voice, text)
         if ps.acked:
-            self._send(ps, texts=[text])
+            self._send(ps, texts=[text], tokens=[ids])
         else:
             ps.texts.append(text)
+            ps.tokens.append(ids)
 
     def end_input(self, ps: RemoteStream) -> None:
         if ps.closed or ps.input_done:
@@ -468,7 +487,14 @@ class RemoteEnginePool:
         rs.replica = name
         held = rs.held.id if rs.held is not None and rs.held.replica == name else ""
         request = OpenStream(
-            rs.id, self.gateway_id, rs.params, rs.credit_limit_ms, list(rs.texts), rs.input_done, held=held
+            rs.id,
+            self.gateway_id,
+            rs.params,
+            rs.credit_limit_ms,
+            list(rs.texts),
+            _unit_ids(rs.tokens),
+            rs.input_done,
+            held=held,
         )
         rs.sent_texts, rs.sent_input_done, rs.sent_limit_ms = len(rs.texts), rs.input_done, rs.credit_limit_ms
         messages = link.transport.open_stream(encode(request))
@@ -511,9 +537,10 @@ class RemoteEnginePool:
         rs.acked = True
         self.router.note_free(link.name, message.free_slots)
         late_texts, rs.texts = rs.texts[rs.sent_texts :], []
+        late_tokens, rs.tokens = rs.tokens[rs.sent_texts :], []
         late_end = rs.input_done and not rs.sent_input_done
         if late_texts or late_end or rs.credit_limit_ms > rs.sent_limit_ms:
-            link.control.add(rs.id, late_texts, late_end, rs.credit_limit_ms)
+            link.control.add(rs.id, late_texts, late_end, rs.credit_limit_ms, late_tokens)
 
     def _deliver(self, rs: RemoteStream, items: list[EngineOutput]) -> bool:
         """Hand outputs to the session; True when the stream ended."""
@@ -536,10 +563,16 @@ class RemoteEnginePool:
             rs.sink(delivered)
         return ended
 
-    def _send(self, rs: RemoteStream, texts: list[str] | None = None, input_done: bool = False) -> None:
+    def _send(
+        self,
+        rs: RemoteStream,
+        texts: list[str] | None = None,
+        input_done: bool = False,
+        tokens: list[list[int] | None] | None = None,
+    ) -> None:
         link = self._links.get(rs.replica) if rs.replica is not None else None
         if link is not None:
-            link.control.add(rs.id, texts or [], input_done, rs.credit_limit_ms)
+            link.control.add(rs.id, texts or [], input_done, rs.credit_limit_ms, tokens)
 
     def _forget(self, rs: RemoteStream) -> None:
         self._streams.pop(rs.id, None)
@@ -671,3 +704,9 @@ class PinnedView:
     @property
     def step_timeouts_total(self) -> int:
         return self._pool.step_timeouts_total
+
+
+def _unit_ids(tokens: list[list[int] | None]) -> list[list[int]]:
+    """The units' ids for a message: every unit's, or none (the engine then tokenizes them all)."""
+    ids = [unit for unit in tokens if unit is not None]
+    return ids if len(ids) == len(tokens) else []

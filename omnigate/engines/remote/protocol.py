@@ -26,13 +26,15 @@ from omnigate.engines.base import EngineInfo, EngineOutput, SynthesisParams
 
 
 class OpenStream(msgspec.Struct, frozen=True, tag="open"):
-    """Admit one stream. Text and end of input known before the call was sent ride along."""
+    """Admit one stream. Text and end of input known before the call was sent ride along; ``tokens``, when not
+    empty, holds each text unit's token ids (:attr:`EngineInfo.unit_tokens`), made by the gateway."""
 
     stream_id: str
     gateway: str
     params: SynthesisParams
     credit_limit_ms: float
     texts: list[str] = []
+    tokens: list[list[int]] = []
     input_done: bool = False
     held: str = ""  # the session's place (a ReserveSession's id) to open on, if it holds one
 
@@ -79,10 +81,12 @@ StreamMessage = Opened | Refused | Outputs
 
 
 class StreamOps(msgspec.Struct, frozen=True):
-    """What changed for one stream since the last batch, applied in this order: text, end of input, credit."""
+    """What changed for one stream since the last batch, applied in this order: text, end of input, credit.
+    ``tokens`` as in :class:`OpenStream`."""
 
     stream_id: str
     texts: list[str] = []
+    tokens: list[list[int]] = []
     input_done: bool = False
     credit_limit_ms: float = 0.0
 

@@ -144,7 +144,7 @@ class ReplicaCore:
         self._streams[request.stream_id] = served
         try:
             yield encode(Opened(self.replica, self.pool.free_slots))
-            self._apply(served, request.texts, request.input_done, request.credit_limit_ms)
+            self._apply(served, request.texts, request.tokens, request.input_done, request.credit_limit_ms)
             while True:
                 await served.wake.wait()
                 served.wake.clear()
@@ -186,7 +186,7 @@ class ReplicaCore:
         for op in batch.ops:
             served = self._streams.get(op.stream_id)
             if served is not None:  # otherwise finished, aborted or never admitted here: nothing to do
-                self._apply(served, op.texts, op.input_done, op.credit_limit_ms)
+                self._apply(served, op.texts, op.tokens, op.input_done, op.credit_limit_ms)
         return encode(self.report())
 
     async def stats(self, gateway: str = "") -> bytes:
@@ -287,9 +287,13 @@ class ReplicaCore:
         served.pending.append(done)
         served.wake.set()
 
-    def _apply(self, served: _Served, texts: list[str], input_done: bool, credit_limit_ms: float) -> None:
-        for text in texts:
-            self.pool.push_text(served.ps, text)
+    def _apply(
+        self, served: _Served, texts: list[str], tokens: list[list[int]], input_done: bool, credit_limit_ms: float
+    ) -> None:
+        # The gateway's token ids, unit for unit, or none at all (then the engine tokenizes).
+        units: list[list[int] | None] = list(tokens) if len(tokens) == len(texts) else [None] * len(texts)
+        for text, ids in zip(texts, units, strict=True):
+            self.pool.push_text(served.ps, text, ids)
         if input_done:
             self.pool.end_input(served.ps)
         if credit_limit_ms > served.granted_ms:

@@ -23,6 +23,7 @@ CSM segment spoken with the earlier segments' text and audio as context.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -47,6 +48,7 @@ from omnigate.engines.base import (
     StopReason,
     StreamDone,
     SynthesisParams,
+    UnitTokens,
     VoiceInfo,
     validate_params,
 )
@@ -62,6 +64,7 @@ from omnigate.engines.talker.stopping import SilenceDetector, frame_limit
 from omnigate.engines.talker.stream import Segment, TalkerStream
 
 FAMILY = "talker"
+log = logging.getLogger(__name__)
 _SEED_MASK = (1 << 62) - 1
 PRESET_MS_PER_CHAR = 60.0
 STAGES = ("device_wait", "file", "plan", "launch", "emit")
@@ -110,6 +113,9 @@ class TalkerEngine(Engine):
         self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
         if graphs and options.prefill_graph_tokens:
             self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
+        # Step time by batch size, for admission to price rows with before any session stepped.
+        profile = tuple(self.device_step.time_steps(_profile_sizes(options.max_batch)))
+        log.info("talker step time by batch size: %s", ", ".join(f"{rows}: {s * 1e3:.1f} ms" for rows, s in profile))
         self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
         self.sample_rate = self.codec.sample_rate
         self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate
@@ -141,7 +147,17 @@ class TalkerEngine(Engine):
             workers=1,
             synthetic=model.random_weights,
             min_credit_ms=self.frame_ms,
+            step_profile=profile,
+            unit_tokens=self._unit_tokens(),
         )
+
+    def _unit_tokens(self) -> UnitTokens | None:
+        """How gateway processes may tokenize text units for this model (its tokenizer, readable there)."""
+        segments = self.model.segments
+        if segments.source is None:
+            return None
+        vocab = int(self.model.csm.embed_text_tokens.num_embeddings)
+        return UnitTokens("csm", segments.source, segments.bos_id, segments.eos_id, vocab)
 
     @classmethod
     def load(cls, model: str | None, **options: Any) -> TalkerEngine:
@@ -186,6 +202,7 @@ class TalkerEngine(Engine):
                 threshold_dbfs=self.options.silence_dbfs, seconds=self.options.silence_s, frame_ms=self.frame_ms
             ),
             context=tuple(context),
+            unit_tokens=self.info.unit_tokens,
         )
 
     def _context_tokens(self, context: Sequence[ContextSegment]) -> int:
@@ -224,6 +241,7 @@ class TalkerEngine(Engine):
         with self._slot_lock:
             stream.pending.clear()
             stream.pending_rms.clear()
+            stream.forget_tokens()
             if stream.slot is not None:
                 self._free_slots.append(stream.slot)
                 stream.slot = None
@@ -255,7 +273,7 @@ class TalkerEngine(Engine):
         batch = [_talker_stream(s) for s in streams]
         with torch.no_grad():
             flight, self._in_flight = self._in_flight, None
-            deferred = [] if flight is None else self._collect(flight, batch)
+            collected, deferred = (None, []) if flight is None else self._collect(flight, batch)
             t1 = time.perf_counter()
             waited_collect = self._waited_s
             endings: dict[int, StopReason] = {}
@@ -264,9 +282,11 @@ class TalkerEngine(Engine):
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
             t3 = time.perf_counter()
-            for stream, index, pcm in deferred:
-                if not (stream.finished or stream.closed):
-                    stream.pending[index] = _le_bytes(pcm)
+            if collected is not None and deferred:
+                frames = _FrameViews(collected.pcm)
+                for stream, index, k in deferred:
+                    if not (stream.finished or stream.closed):
+                        stream.pending[index] = frames[k]
             self._emit_audio(batch, budget_ms, endings)
         for row, reason in endings.items():
             self._end_segment(batch[row], reason)
@@ -285,15 +305,16 @@ class TalkerEngine(Engine):
 
     def _collect(
         self, flight: _InFlight, batch: list[TalkerStream]
-    ) -> list[tuple[TalkerStream, int, np.ndarray[Any, np.dtype[np.int16]]]]:
-        """Wait for the device step the previous call launched and file what the next plan depends on. Returns the
-        frames whose PCM is still to be copied into their stream's held frames (after the next launch, from the
-        other host buffer than the one the next step writes)."""
+    ) -> tuple[StepResult, list[tuple[TalkerStream, int, int]]]:
+        """Wait for the device step the previous call launched and file what the next plan depends on. Returns its
+        result and the frames whose PCM is still to be copied into their stream's held frames, as (stream, index in
+        its held frames, row of the result): copied after the next launch, all rows in one pass, from the other host
+        buffer than the one the next step writes."""
         result = self._wait_for(flight.buffer)
         rows = {id(stream): row for row, stream in enumerate(batch)}
         ended = result.ended.tolist()
         rms = result.rms.tolist()
-        deferred: list[tuple[TalkerStream, int, np.ndarray[Any, np.dtype[np.int16]]]] = []
+        deferred: list[tuple[TalkerStream, int, int]] = []
         for k, stream in enumerate(flight.streams):
             stream.in_flight = False
             row = rows.get(id(stream))
@@ -301,18 +322,18 @@ class TalkerEngine(Engine):
                 # Not in this call (the batch was full): close() may run meanwhile, so file it whole, under the lock.
                 with self._slot_lock:
                     if not (stream.closed or stream.finished):
-                        self._file_ending(stream, self._file_frame(stream, ended[k], result.pcm[k], rms[k]))
+                        self._file_ending(stream, self._file_frame(stream, ended[k], _le_bytes(result.pcm[k]), rms[k]))
                 continue
             if stream.closed or stream.finished:
                 continue  # aborted, or finished by silence after this frame was launched: the frame is dropped
             ending = self._file_frame(stream, ended[k], None, rms[k])
             if ending is None:
-                deferred.append((stream, len(stream.pending) - 1, result.pcm[k]))
+                deferred.append((stream, len(stream.pending) - 1, k))
                 continue
             if not ended[k]:
                 stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
             self._file_ending(stream, ending)
-        return deferred
+        return result, deferred
 
     def _wait_for(self, buffer: int) -> StepResult:
         """The device step's result, the time waited for it counted as the step's device wait."""
@@ -367,7 +388,10 @@ class TalkerEngine(Engine):
             return None
         text = stream.pending_text[0]
         if stream.head_tokens is None or stream.head_tokens[0] is not text:
-            stream.head_tokens = (text, self.model.segments.encode(stream.params.voice, text))
+            given = stream.take_tokens(text)
+            if given is None:
+                given = self.model.segments.encode(stream.params.voice, text)
+            stream.head_tokens = (text, given)
         tokens = stream.head_tokens[1]
         if room is not None and len(tokens) + 1 > room:
             return None  # this step's prefill is full; the unit starts next step, its tokens kept
@@ -444,8 +468,9 @@ class TalkerEngine(Engine):
         result = self._wait_for(buffer)
         ended = result.ended.tolist()
         rms = result.rms.tolist()
+        frames = _FrameViews(result.pcm)
         for k, row in enumerate(rows):
-            ending = self._file_frame(batch[row], ended[k], result.pcm[k], rms[k])
+            ending = self._file_frame(batch[row], ended[k], frames[k], rms[k])
             if ending is not None:
                 endings[row] = ending
 
@@ -467,7 +492,7 @@ class TalkerEngine(Engine):
         self,
         stream: TalkerStream,
         ended: bool,
-        pcm: np.ndarray[Any, np.dtype[np.int16]] | None,
+        pcm: bytes | memoryview | None,
         rms: float,
     ) -> StopReason | None:
         """Hold a stream's new frame (its PCM, or an empty placeholder for it when ``pcm`` is None); returns why the
@@ -475,7 +500,7 @@ class TalkerEngine(Engine):
         segment = _segment(stream)
         if ended:
             return "completed"
-        stream.pending.append(b"" if pcm is None else _le_bytes(pcm))
+        stream.pending.append(b"" if pcm is None else pcm)
         stream.pending_rms.append(rms)
         stream.audio_frames += 1
         segment.frames += 1
@@ -547,6 +572,12 @@ class _PrefillUnit:
         return (0 if self.context is None else int(self.context.shape[0])) + len(self.tokens)
 
 
+def _profile_sizes(max_batch: int) -> list[int]:
+    """Batch sizes whose step time is measured at load: powers of two below ``max_batch``, and ``max_batch``."""
+    sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
+    return [*sizes, max_batch]
+
+
 def _talker_stream(stream: EngineStream) -> TalkerStream:
     if not isinstance(stream, TalkerStream):
         raise TypeError(f"the talker engine cannot serve {type(stream).__name__}")
@@ -563,6 +594,18 @@ def _slot(stream: TalkerStream) -> int:
     if stream.slot is None:
         raise RuntimeError("stream holds no slot")
     return stream.slot
+
+
+class _FrameViews:
+    """A step's PCM table ``[rows, samples]`` copied off the host buffer in one pass, little-endian; row ``k`` is a
+    view of that copy (a stream's held frames keep it alive until they are sent)."""
+
+    def __init__(self, pcm: np.ndarray[Any, np.dtype[np.int16]]) -> None:
+        self._blob = memoryview(_le_bytes(pcm))
+        self._stride = int(pcm.shape[1]) * 2 if pcm.ndim == 2 else 0
+
+    def __getitem__(self, row: int) -> memoryview:
+        return self._blob[row * self._stride : (row + 1) * self._stride]
 
 
 def _le_bytes(samples: np.ndarray[Any, np.dtype[np.int16]]) -> bytes:

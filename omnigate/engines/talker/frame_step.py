@@ -17,6 +17,7 @@ that belong to no stream. Elsewhere the same code runs eagerly at the exact batc
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -197,6 +198,31 @@ class FrameStep:
             self._copied[buffer].record()
         self._rows[buffer] = count
         return buffer
+
+    @torch.no_grad()
+    def time_steps(self, sizes: Sequence[int], reps: int = 3) -> list[tuple[int, float]]:
+        """Seconds of one step of each of ``sizes`` rows (the median of ``reps`` after a warm-up run), over idle rows
+        on the scratch slots, so no stream's state changes. Call before the first launch."""
+        if self._rows:
+            raise RuntimeError("a step is in flight")
+        timings: list[tuple[int, float]] = []
+        for size in sizes:
+            times = []
+            for _ in range(reps + 1):
+                self._synchronize()
+                started = time.perf_counter()
+                if self.graphs is not None:
+                    self.graphs.replay(self.graphs.bucket(size))
+                else:
+                    self._compute(size, size)
+                self._synchronize()
+                times.append(time.perf_counter() - started)
+            timings.append((size, statistics.median(times[1:])))
+        return timings
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def collect(self, buffer: int) -> StepResult:
         """Wait for the step launched into ``buffer`` and return its outputs (views of the host buffer)."""

@@ -148,7 +148,7 @@ def build_preset(name: str, *, seed: int = 0, device: str = "cpu") -> TalkerMode
     return TalkerModel(
         csm=csm.eval(),
         tokenizer=tokenizer,
-        segments=SegmentTokenizer(tokenizer),
+        segments=SegmentTokenizer(tokenizer, source="bytes"),
         name=f"{PRESET_PREFIX}{name}",
         random_weights=True,
     )
@@ -169,10 +169,12 @@ def load_checkpoint(path: Path) -> TalkerModel:
             raise ModelSpecError(f"{path}: no Mimi weights in the checkpoint and no {CODEC_SUBDIR}/ directory")
         csm.codec_model = MimiModel.from_pretrained(codec_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer_file = path / "tokenizer.json"
+    source = str(tokenizer_file.resolve()) if tokenizer_file.is_file() else None
     return TalkerModel(
         csm=csm.eval(),
         tokenizer=tokenizer,
-        segments=SegmentTokenizer(tokenizer),
+        segments=SegmentTokenizer(tokenizer, source=source),
         name=str(path),
         random_weights=False,
     )

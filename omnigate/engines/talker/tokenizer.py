@@ -38,7 +38,8 @@ def byte_level_tokenizer() -> Any:
 class SegmentTokenizer:
     """Turns a speaker and a text unit into the token ids of one CSM segment."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, source: str | None = None) -> None:
+        """``source``: where a gateway process finds the same tokenizer (:class:`UnitTokens`), if anywhere."""
         bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
         if bos is None or eos is None:
             raise ValueError("the talker tokenizer needs bos and eos tokens")
@@ -48,6 +49,7 @@ class SegmentTokenizer:
         self._core = getattr(tokenizer, "backend_tokenizer", None)
         self.bos_id = int(bos)
         self.eos_id = int(eos)
+        self.source = source
 
     def encode(self, speaker: str, text: str) -> list[int]:
         """``<bos>[speaker]text<eos>`` as ids."""
