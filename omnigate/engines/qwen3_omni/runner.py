@@ -22,6 +22,7 @@ import torch
 
 from omnigate.engines.kv.slots import ContextFull
 from omnigate.engines.qwen3_omni.model import Qwen3OmniModel
+from omnigate.engines.qwen3_omni.vision import FrameTokens
 
 # Prompt tokens prefilled per step (at least one turn's).
 PREFILL_TOKENS_PER_STEP = 8192
@@ -34,6 +35,7 @@ class TurnRequest:
 
     prompt: list[int]
     audio: torch.Tensor | None = None  # audio tokens at the prompt's audio placeholders, in order
+    frames: tuple[FrameTokens, ...] = ()  # vision tokens of the prompt's image placeholder runs, in order
     speak: bool = True
     speaker: str = "ethan"
     max_tokens: int = 512
@@ -177,15 +179,15 @@ class TurnRunner:
             batch.append(turn)
         if not batch:
             return
-        embeds = [model.embed_prompt(t.request.prompt, t.request.audio) for t in batch]
-        keep = any(t.request.speak and t.request.audio is not None for t in batch)
-        logits, hidden = model.thinker_prefill([t.slot for t in batch], embeds, keep=keep)
+        inputs = [model.prompt_inputs(t.request.prompt, t.request.audio, t.request.frames) for t in batch]
+        keep = any(t.request.speak and (t.request.audio is not None or t.request.frames) for t in batch)
+        logits, hidden = model.thinker_prefill([t.slot for t in batch], inputs, keep=keep)
         for i, turn in enumerate(batch):
             turn.thinker_logits = logits[i]
             if turn.request.speak:
                 turn.row = model.code2wav.open()
                 turn.user_rows = model.talker_user_rows(
-                    turn.request.prompt, embeds[i], None if hidden is None else hidden[i]
+                    turn.request.prompt, inputs[i].rows, None if hidden is None else hidden[i]
                 )
             self._running.append(turn)
 
