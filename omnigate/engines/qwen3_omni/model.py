@@ -138,6 +138,8 @@ class Qwen3OmniModel:
         self.predictor_cache = self._cache(self.predictor_stack, self.groups + 1)
         self.thinker_rope = _rope_table(text.rotary_emb, max_context, self.device, self.dtype)
         self._thinker_rotary = text.rotary_emb
+        self._talker_rotary = talker.model.rotary_emb
+        self._talker_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)  # as _rope_delta
         # Each slot's rotary offset while decoding (a prompt with frames ends ``delta`` before its length); read by
         # the captured decode step at the rows' slots, so it is a device buffer written at each prefill.
         self._rope_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
@@ -291,7 +293,9 @@ class Qwen3OmniModel:
         inputs = [p if isinstance(p, PromptInputs) else PromptInputs(p) for p in prompts]
         counts = [int(p.rows.shape[0]) for p in inputs]
         rows = self.thinker_cache.plan(slots, counts)
-        cos, sin = self._prompt_rope(inputs, rows.positions)
+        cos, sin = self._rope_rows(
+            self._thinker_rotary, self.thinker_rope, [p.positions for p in inputs], counts, rows.positions
+        )
         x = torch.cat([p.rows.to(self.dtype) for p in inputs])
         deepstack = self._deepstack(inputs, counts)
         layers = self.thinker_stack.layers
@@ -311,24 +315,28 @@ class Qwen3OmniModel:
             hidden = list(torch.split(kept, counts))
         return self._thinker_logits(out.index_select(0, rows.last)), hidden
 
-    def _prompt_rope(
-        self, inputs: Sequence[PromptInputs], positions: torch.Tensor
+    def _rope_rows(
+        self,
+        rotary: Any,
+        table: tuple[torch.Tensor, torch.Tensor],
+        prompts: Sequence[torch.Tensor | None],
+        counts: Sequence[int],
+        positions: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the prompts' rows: from the table at the cache positions, or for a prompt with frames from
-        the rotary module at its three position rows."""
-        if all(p.positions is None for p in inputs):
-            cos, sin = (t.index_select(0, positions) for t in self.thinker_rope)
+        """cos/sin of prompts' rows: from ``table`` at the cache ``positions``, or for a prompt with frames (its
+        three position rows ``[3, L]`` in ``prompts``) from the ``rotary`` module."""
+        if all(p is None for p in prompts):
+            cos, sin = (t.index_select(0, positions) for t in table)
             return cos, sin
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         start = 0
-        for p in inputs:
-            count = int(p.rows.shape[0])
-            if p.positions is None:
+        for rows, count in zip(prompts, counts, strict=True):
+            if rows is None:
                 at = positions[start : start + count]
-                parts.append((self.thinker_rope[0].index_select(0, at), self.thinker_rope[1].index_select(0, at)))
+                parts.append((table[0].index_select(0, at), table[1].index_select(0, at)))
             else:
                 probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
-                cos, sin = self._thinker_rotary(probe, p.positions[:, None, :])
+                cos, sin = rotary(probe, rows[:, None, :])
                 parts.append((cos.reshape(count, -1), sin.reshape(count, -1)))
             start += count
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
@@ -387,14 +395,7 @@ class Qwen3OmniModel:
         positions the hidden projection of the thinker's ``accept_hidden_layer`` state."""
         tc = self.config.thinker_config
         multimodal = {int(tc.audio_token_id), int(tc.image_token_id), int(tc.video_token_id)}
-        im_start, user = int(self.config.im_start_token_id), int(self.config.user_token_id)
-        chosen: list[int] = []
-        role = -1
-        for i, token in enumerate(ids):
-            if token == im_start:
-                role = ids[i + 1] if i + 1 < len(ids) else -1
-            if role == user:
-                chosen.append(i)
+        chosen = self._user_positions(ids)
         index = torch.tensor(chosen, device=self.device, dtype=torch.long)
         mm = torch.tensor([ids[i] in multimodal for i in chosen], device=self.device, dtype=torch.bool)
         rows = self.text_projection(embeds.index_select(0, index).to(self.dtype))
@@ -405,6 +406,29 @@ class Qwen3OmniModel:
             rows[mm] = self.hidden_projection(hidden.index_select(0, index)[mm].to(self.dtype)).to(rows.dtype)
         out: torch.Tensor = rows
         return out
+
+    def _user_positions(self, ids: Sequence[int]) -> list[int]:
+        """The indices of the prompt's tokens in turns whose role is ``user`` (the talker's user rows)."""
+        im_start, user = int(self.config.im_start_token_id), int(self.config.user_token_id)
+        chosen: list[int] = []
+        role = -1
+        for i, token in enumerate(ids):
+            if token == im_start:
+                role = ids[i + 1] if i + 1 < len(ids) else -1
+            if role == user:
+                chosen.append(i)
+        return chosen
+
+    def talker_positions(
+        self, ids: Sequence[int], frames: Sequence[FrameTokens], rows: int
+    ) -> tuple[torch.Tensor, int]:
+        """The rotary positions ``[3, rows]`` of the talker's prompt (``rows`` rows: the user rows of prompt ``ids``,
+        then the assistant part) when the prompt holds ``frames``, and the ``delta`` its frames continue from (the
+        talker's positions are computed as the thinker's, over its own ids)."""
+        talker_ids = [ids[i] for i in self._user_positions(ids)]
+        talker_ids += [-1] * (rows - len(talker_ids))  # the assistant part: text positions
+        positions = rope_positions(talker_ids, int(self.config.thinker_config.image_token_id), [f.grid for f in frames])
+        return torch.tensor(positions, device=self.device), max(max(row) for row in positions) + 1 - rows
 
     @torch.inference_mode()
     def talker_prompt(self, user_rows: torch.Tensor, assistant_ids: Sequence[int], speaker: str) -> torch.Tensor:
@@ -441,21 +465,31 @@ class Qwen3OmniModel:
 
     @torch.inference_mode()
     def talker_prefill(
-        self, slots: Sequence[int], prompts: Sequence[torch.Tensor]
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[torch.Tensor],
+        positions: Sequence[tuple[torch.Tensor, int] | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Start each of ``slots``' talker over with its prompt rows, in one forward: the first codebook's logits
-        ``[n, codec vocab]`` and the talker's last hidden state ``[n, hidden]`` of each."""
+        ``[n, codec vocab]`` and the talker's last hidden state ``[n, hidden]`` of each. ``positions``: a prompt's
+        rotary positions and delta when it holds frames (:meth:`talker_positions`), None when they are sequential."""
         for slot in slots:
             self.talker_cache.reset(slot)
             self._seen[slot] = False
         counts = [int(p.shape[0]) for p in prompts]
         rows = self.talker_cache.plan(slots, counts)
-        cos, sin = (t.index_select(0, rows.positions) for t in self.talker_rope)
+        given = list(positions) if positions is not None else [None] * len(prompts)
+        cos, sin = self._rope_rows(
+            self._talker_rotary, self.talker_rope, [None if p is None else p[0] for p in given], counts, rows.positions
+        )
         x = torch.cat([p.to(self.dtype) for p in prompts])
         out, _ = self.talker_stack.forward(
             x, self.talker_cache.keys, self.talker_cache.values, rows.slots, rows.positions, cos, sin
         )
         self.talker_cache.commit(slots, counts)
+        self._talker_delta[torch.tensor(list(slots), device=self.device)] = torch.tensor(
+            [0 if p is None else p[1] for p in given], device=self.device
+        )
         return self._talker_out(out.index_select(0, rows.last))
 
     def _sample_codes(self, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -504,7 +538,8 @@ class Qwen3OmniModel:
             out, _ = self.predictor_stack.forward(embedded, keys, values, slots, position, cos, sin)
             last = self.predictor_stack.norm(out)
         # The talker over the frame: the sum of every codebook's embedding plus the text row.
-        cos, sin = (t.index_select(0, positions) for t in self.talker_rope)
+        rope = positions + self._talker_delta.index_select(0, slots)
+        cos, sin = (t.index_select(0, rope) for t in self.talker_rope)
         out, _ = self.talker_stack.forward(
             summed + trailing.to(self.dtype),
             self.talker_cache.keys,

@@ -238,7 +238,7 @@ class TurnRunner:
                 model.talker_prompt(turn.user_rows, [*turn.request.prompt[-3:], turn.text[0]], turn.request.speaker)
             )
         ready: list[_Turn] = []
-        ready_prompts = []
+        ready_prompts: list[torch.Tensor] = []
         for turn, prompt in zip(starting, prompts, strict=True):
             turn.user_rows = None
             if prompt.shape[0] + 1 > model.max_context:
@@ -249,8 +249,12 @@ class TurnRunner:
                 ready_prompts.append(prompt)
         if not ready:
             return
+        positions = [
+            model.talker_positions(t.request.prompt, t.request.frames, int(p.shape[0])) if t.request.frames else None
+            for t, p in zip(ready, ready_prompts, strict=True)
+        ]
         try:
-            logits, hidden = model.talker_prefill([t.slot for t in ready], ready_prompts)
+            logits, hidden = model.talker_prefill([t.slot for t in ready], ready_prompts, positions)
         except ContextFull as exc:  # checked above; a defensive end rather than a dead worker
             for turn in ready:
                 self._finish(turn, TurnDone(CONTEXT_LENGTH_EXCEEDED, str(exc)), events)
