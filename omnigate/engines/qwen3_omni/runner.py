@@ -121,12 +121,14 @@ class TurnRunner:
             if turn.id == turn_id:
                 turn.cancelled = True
 
+    @torch.inference_mode()  # the captured graphs' buffers are inference tensors: copies into them need the mode
     def drop_all(self) -> None:
         """Forget every turn (after a failed step), returning their slots and Code2Wav rows."""
         for turn in [*self._pending, *self._running]:
             self._release(turn)
         self._pending = []
 
+    @torch.inference_mode()
     def step(self) -> list[TurnEvent]:
         """One step of every turn; the events it made, in order."""
         events: list[TurnEvent] = []
