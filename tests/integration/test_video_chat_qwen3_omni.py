@@ -1,7 +1,7 @@
 """``WS /v1/video/chat/stream`` on ``serve --engine qwen3-omni`` (``preset:tiny`` on the CPU): camera frames and the
 microphone into Qwen3-Omni's thinker, the answer in text and in the model's own voice, no second speech engine; the
-session's vision-token cache; frames and audio past their bounds refused typed; the load test's ``video-chat``
-target against it.
+session's vision-token cache; frames and audio past their bounds refused typed; a WebRTC call answered on its data
+channel and its audio track; the load test's ``video-chat`` target against it.
 
 Order is asserted from the events' own sequence, never from elapsed time.
 """
@@ -18,7 +18,9 @@ from websockets.asyncio.client import connect
 
 from omnigate.engines.qwen3_omni.video_chat import Qwen3VideoChat
 from omnigate.gateway.settings import Settings
+from omnigate.loadtest.targets.webrtc import use_loopback_candidates
 from tests.integration.test_video_chat_ws import ROUTE, gated_decoding, jpeg, receive, send, until_terminal
+from tests.integration.test_webrtc_video_chat import CALLS, Peer
 from tests.serving import RunningServer, serve
 
 pytestmark = pytest.mark.integration
@@ -35,6 +37,7 @@ def qwen3_server() -> Iterator[RunningServer]:
         model="preset:tiny",
         engine_options={"max_sessions": "2", "max_context": "1024"},
         ws_max_message_bytes=2 * 1024 * 1024,
+        webrtc_host_addresses=("127.0.0.1",),
     )
     with serve(settings) as server:
         yield server
@@ -133,3 +136,41 @@ async def test_the_load_test_target_drives_it(qwen3_server: RunningServer) -> No
     assert not trace.errors, trace.error_details
     assert [u.status for u in trace.utterances] == ["completed", "completed"]
     assert all(u.bytes > 0 and u.ttfa_ms is not None for u in trace.utterances)
+
+
+def answer_packets_sent(server: RunningServer) -> int:
+    """Audio packets of answers the server's call tracks have sent (silence between answers not counted)."""
+
+    def count() -> int:
+        return sum(call.track.audio_frames_sent for call in server.app.state.webrtc.calls.values())
+
+    sent = server.call(count)
+    assert isinstance(sent, int)
+    return sent
+
+
+async def test_a_call_is_answered_on_the_channel_and_in_the_models_voice_on_the_track(
+    qwen3_server: RunningServer,
+) -> None:
+    use_loopback_candidates()
+    engine = chat(qwen3_server)
+    encoded_before = qwen3_server.call(lambda: engine.frames_encoded_total)
+    peer = Peer()
+    try:
+        await peer.connect(qwen3_server.http_url + CALLS)
+        peer.send("session.config", num_frames=2, max_new_tokens=8)
+        await peer.until(lambda: peer.camera.count >= 30)  # a second of camera (2 frames of it are taken)
+        peer.send("video.query", text="What is moving?")
+        await peer.until(lambda: any(e["type"] == "response.audio.done" for e in peer.events))
+        kinds = [e["type"] for e in peer.events]
+        assert kinds[0] == "response.start" and peer.events[0]["frames"] >= 1
+        assert "response.text.delta" in kinds and kinds.count("response.text.done") == 1
+        assert "response.audio.delta" not in kinds  # audio goes on the track, not the channel
+        assert peer.events[-1]["status"] in ("completed", "max_tokens")
+        # The tiny preset's random voice is ~1e-7 of full scale (silent as 16-bit samples): count the answer's
+        # packets the call's track sent instead of listening for them.
+        await peer.until(lambda: answer_packets_sent(qwen3_server) > 0)
+        encoded_after = qwen3_server.call(lambda: engine.frames_encoded_total)
+        assert isinstance(encoded_before, int) and isinstance(encoded_after, int) and encoded_after > encoded_before
+    finally:
+        await peer.close()
