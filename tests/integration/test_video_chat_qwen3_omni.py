@@ -35,7 +35,7 @@ def qwen3_server() -> Iterator[RunningServer]:
     settings = Settings(
         engine="qwen3-omni",
         model="preset:tiny",
-        engine_options={"max_sessions": "2", "max_context": "1024"},
+        engine_options={"max_sessions": "2"},
         ws_max_message_bytes=2 * 1024 * 1024,
         webrtc_host_addresses=("127.0.0.1",),
     )
@@ -112,6 +112,20 @@ async def test_frames_and_audio_past_their_bounds_get_input_backpressure(
         assert events[-1]["status"] in ("completed", "max_tokens"), events
 
 
+async def test_a_question_longer_than_the_context_is_refused_typed() -> None:
+    settings = Settings(engine="qwen3-omni", model="preset:tiny", engine_options={"max_context": "128"})
+    with serve(settings) as server:
+        async with connect(server.ws_url + ROUTE) as ws:
+            await send(ws, "session.config", max_new_tokens=4)
+            await send(ws, "video.frame", data=jpeg(40))  # 144 vision tokens: more than the context alone
+            await send(ws, "video.query", text="what is it?")
+            events = await until_terminal(ws, 0)
+    assert events[0] == {"type": "response.start", "query_id": 0, "frames": 1}
+    [error] = [e for e in events if e["type"] == "error"]
+    assert error["code"] == "context_length_exceeded" and "128" in error["message"]
+    assert [e["status"] for e in events if e["type"].endswith(".done")] == ["error", "error"]
+
+
 async def test_an_unknown_voice_is_refused_typed(qwen3_server: RunningServer) -> None:
     async with connect(qwen3_server.ws_url + ROUTE) as ws:
         await send(ws, "session.config", voice="nobody", max_new_tokens=4)
@@ -133,8 +147,9 @@ async def test_the_load_test_target_drives_it(qwen3_server: RunningServer) -> No
     trace = SessionTrace(0, 0.0)
     await target.run_session(["What is moving?", "And now?"], trace)
     await target.close()
-    assert not trace.errors, trace.error_details
-    assert [u.status for u in trace.utterances] == ["completed", "completed"]
+    # Random weights: an answer may run to its token cap (the target counts that as answer_max_tokens), nothing else.
+    assert set(trace.errors) <= {"answer_max_tokens"}, trace.error_details
+    assert len(trace.utterances) == 2
     assert all(u.bytes > 0 and u.ttfa_ms is not None for u in trace.utterances)
 
 

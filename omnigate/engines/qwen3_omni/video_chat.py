@@ -223,6 +223,13 @@ class Qwen3VideoChat:
             content += [self._audio_start, *[self._audio] * audio.shape[0], self._audio_start + 1]
         content += tok.encode(request.question)
         prompt = self.model.tokenizer.ids(request.context) + tok.turn("user", content) + tok.open_assistant()
+        images = sum(f.count for f in frames)
+        sounds = 0 if audio is None else int(audio.shape[0])
+        if prompt.count(self._image) != images or prompt.count(self._audio) != sounds:
+            # A tokenizer that reads special tokens in text turned the question or history into media placeholders.
+            message = "the question or the history holds the model's image or audio placeholder tokens"
+            turn.end(ThinkDone("error", "", 0, message, "invalid_request"))
+            return
         answer = TurnRequest(
             prompt=prompt,
             audio=audio,
