@@ -139,10 +139,11 @@ class Qwen3OmniModel:
         self.thinker_rope = _rope_table(text.rotary_emb, max_context, self.device, self.dtype)
         self._thinker_rotary = text.rotary_emb
         self._talker_rotary = talker.model.rotary_emb
-        self._talker_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)  # as _rope_delta
-        # Each slot's rotary offset while decoding (a prompt with frames ends ``delta`` before its length); read by
-        # the captured decode step at the rows' slots, so it is a device buffer written at each prefill.
+        # Each slot's rotary offset while decoding (a prompt with frames ends ``delta`` before its length), the
+        # thinker's and the talker's; read by the captured steps at the rows' slots, so device buffers written at
+        # each prefill.
         self._rope_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+        self._talker_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
         vision = self.config.thinker_config.vision_config
         self.patch = int(vision.patch_size)
         self.merge = int(vision.spatial_merge_size)
@@ -239,7 +240,7 @@ class Qwen3OmniModel:
         vision = torch.cat([f.tokens.to(self.device, self.dtype) for f in frames], dim=1)  # [1 + k, V, hidden]
         image_rows = torch.nonzero(tokens == image_token).view(-1)
         rows = rows.index_copy(0, image_rows, vision[0])
-        delta = max(positions[0][-1], positions[1][-1], positions[2][-1]) + 1 - len(ids) if ids else 0
+        delta = max(max(row) for row in positions) + 1 - len(ids)
         return PromptInputs(
             rows=rows,
             positions=torch.tensor(positions, device=self.device),
