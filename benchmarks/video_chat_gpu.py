@@ -26,6 +26,13 @@ BENCH_SPEECH_MODEL, BENCH_OMNI_MODEL):
         --omni-model preset:tiny --levels 1 --duration 10 --out /tmp/video_chat_dry.json
 CPU smoke run (tiny omni preset, the synthetic speech engine):
     python -m benchmarks.video_chat_gpu --tiny --levels 1,8 --out docs/benchmarks/video_chat.json
+
+Qwen3-Omni (``serve --engine qwen3-omni``: one model sees the frames, hears the question and answers in its own
+voice; no speech engine), GPU and its CPU dry run:
+    python -m benchmarks.video_chat_gpu --engine qwen3-omni --model preset:qwen3-omni-30b-a3b --levels 16,64 \
+        --out $OUT/qwen3_omni_video_chat_h200.json
+    python -m benchmarks.video_chat_gpu --engine qwen3-omni --model preset:tiny --device cpu --dtype float32 \
+        --levels 1 --duration 5 --out /tmp/q3_video_chat_dry.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -272,6 +280,25 @@ def encoder_cost(engine: Any, frames: int) -> dict[str, float]:
     }
 
 
+def qwen3_encoder_cost(chat: Any, frames: int) -> dict[str, float]:
+    """ms per frame of Qwen3-Omni's vision encoder on new frames (an unchanged one costs a cache lookup)."""
+    model = chat.turns.model
+    size = chat.info.frame_size
+    pictures = [np.random.default_rng(i).integers(0, 255, (size, size, 3), np.uint8) for i in range(frames)]
+    model.encode_frames(pictures)  # warm-up (kernels, allocator)
+    sync = _sync(model)
+    sync()
+    started = time.perf_counter()
+    model.encode_frames(pictures)
+    sync()
+    return {
+        "frames": frames,
+        "tokens_per_frame": chat.info.tokens_per_frame,
+        "frame_size": size,
+        "new_frame_ms": round((time.perf_counter() - started) / frames * 1000, 3),
+    }
+
+
 def _sync(model: Any) -> Any:
     import torch
 
@@ -288,6 +315,14 @@ def main() -> None:
     parser.add_argument("--dtype", default=env("BENCH_DTYPE", "bfloat16"), help="dtype of both engines")
     parser.add_argument("--speech-model", default=env("BENCH_SPEECH_MODEL", "preset:csm-1b"), help="talker --model")
     parser.add_argument("--omni-model", default=env("BENCH_OMNI_MODEL", "preset:qwen2.5-omni-3b"))
+    parser.add_argument(
+        "--engine",
+        default="cascade",
+        choices=["cascade", "qwen3-omni"],
+        help="cascade: the omni thinker and a speech engine; qwen3-omni: serve --engine qwen3-omni --model MODEL",
+    )
+    parser.add_argument("--model", default="preset:qwen3-omni-30b-a3b", help="the qwen3-omni --model")
+    parser.add_argument("--max-context", type=int, default=1024, help="the qwen3-omni engine's context per slot")
     parser.add_argument(
         "--admission",
         default=env("BENCH_ADMISSION", "slots"),
@@ -314,7 +349,17 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     top = max(levels)
-    if args.tiny:
+    qwen3 = args.engine == "qwen3-omni"
+    if qwen3:
+        options = {"device": args.device, "dtype": args.dtype, "max_sessions": str(top)}
+        settings = Settings(
+            engine="qwen3-omni",
+            model=args.model,
+            engine_options={**options, "max_context": str(args.max_context)},
+            max_sessions=2 * top,
+            idle_timeout_s=120.0,
+        )
+    elif args.tiny:
         settings = Settings(engine="synthetic", omni_model="preset:tiny", omni_options={"max_sessions": str(top)})
     else:
         placement = {"device": args.device, "dtype": args.dtype}
@@ -330,8 +375,9 @@ def main() -> None:
         )
     frames = camera_frames(24)
     report: dict[str, Any] = {
-        "omni_model": settings.omni_model,
-        "speech_engine": f"{settings.engine} {settings.model or ''}".strip(),
+        "command": "python -m benchmarks.video_chat_gpu " + " ".join(sys.argv[1:]),
+        "omni_model": settings.model if qwen3 else settings.omni_model,
+        "speech_engine": "the model's own voice" if qwen3 else f"{settings.engine} {settings.model or ''}".strip(),
         "engine_options": settings.engine_options,
         "omni_options": settings.omni_options,
         "admission": settings.admission,
@@ -346,12 +392,24 @@ def main() -> None:
     with serve(settings) as server:
         engine = server.app.state.omni_engine
         report["tokens_per_frame"] = engine.info.tokens_per_frame
-        passes = [("levels", True), ("levels_before", False)] if args.compare_before else [("levels", True)]
-        for key, ahead in passes:
-            engine.ahead_enabled = ahead
-            report[key] = [run_level(server, engine, sessions, frames, args) for sessions in levels]
-        engine.ahead_enabled = True
-        report["encoder"] = encoder_cost(engine, args.encoder_frames)
+        if qwen3:
+            report["levels"] = []
+            for sessions in levels:
+                encoded, reused, started = engine.frames_encoded_total, engine.frames_reused_total, time.perf_counter()
+                result = asyncio.run(level(server.ws_url, sessions, frames, args))
+                result["frames_encoded"] = engine.frames_encoded_total - encoded
+                result["frames_from_the_session_cache"] = engine.frames_reused_total - reused
+                result["level_wall_s"] = round(time.perf_counter() - started, 1)
+                print(json.dumps(result), flush=True)
+                report["levels"].append(result)
+            report["encoder"] = qwen3_encoder_cost(engine, args.encoder_frames)
+        else:
+            passes = [("levels", True), ("levels_before", False)] if args.compare_before else [("levels", True)]
+            for key, ahead in passes:
+                engine.ahead_enabled = ahead
+                report[key] = [run_level(server, engine, sessions, frames, args) for sessions in levels]
+            engine.ahead_enabled = True
+            report["encoder"] = encoder_cost(engine, args.encoder_frames)
         print(json.dumps(report["encoder"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

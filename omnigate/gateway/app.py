@@ -146,7 +146,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
         loop_lag = asyncio.create_task(watch_loop_lag(metrics.loop_lag.observe), name="loop-lag")
         try:
             app.state.video_engine = await start_video_engine(settings)
-            app.state.omni_engine = await start_omni_engine(settings)
+            app.state.omni_engine = await start_omni_engine(settings, pool)
             gateway.omni_stats = app.state.omni_engine.stats if app.state.omni_engine is not None else None
             reports = ResponderReports(
                 metrics.observe_responder_turn, lambda code: metrics.responder_failures.labels(code).inc()

@@ -5,7 +5,8 @@ Camera frames arrive decoded (the transport decodes them off the event loop) int
 the last one kept is skipped when the frame filter is on. Microphone audio accumulates in a bounded buffer and, with
 ``use_audio_in_video``, is the spoken part of the next question. A query samples ``num_frames`` frames evenly from
 the ring and starts the thinker; its text streams to the client and, with the audio modality, into the session's
-speech stream, whose audio comes back through :meth:`VideoChatSession.on_speech`.
+speech stream, whose audio comes back through :meth:`VideoChatSession.on_speech`. A ``voiced`` engine (Qwen3-Omni)
+speaks its answer itself: its audio comes with its text, and the query's audio ends with its answer.
 
 Rules kept here:
 - Inputs are bounded and refused typed (``input_backpressure``), never silently dropped: a frame while too many are
@@ -26,7 +27,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from omnigate.engines.omni.request import FrameInput, TextDelta, ThinkDone, ThinkOutput
+from omnigate.engines.omni.request import AudioDelta, FrameInput, TextDelta, ThinkDone, ThinkOutput
 from omnigate.sessions.messages import ErrorEvent, MediaChunk, SessionClosed, UtteranceDone
 
 Modality = Literal["text", "audio"]
@@ -219,9 +220,10 @@ class _Query:
 class VideoChatSession:
     """State machine of one video-chat session."""
 
-    def __init__(self, prompt: PromptFormat, limits: VideoChatLimits | None = None) -> None:
+    def __init__(self, prompt: PromptFormat, limits: VideoChatLimits | None = None, *, voiced: bool = False) -> None:
         self.prompt = prompt
         self.limits = limits if limits is not None else VideoChatLimits()
+        self.voiced = voiced  # the thinker's engine speaks its answers: no speech stream
         self.config: VideoChatConfig | None = None
         self.ring: deque[DecodedFrame] = deque(maxlen=VideoChatConfig().max_frames)
         self.audio = bytearray()
@@ -400,8 +402,11 @@ class VideoChatSession:
             if isinstance(out, TextDelta):
                 query.answer.append(out.text)
                 actions.append(Emit(ResponseTextDelta(query.id, out.text)))
-                if query.speaks:
+                if query.speaks and not self.voiced:
                     actions.extend(self._speak(query, out.text))
+            elif isinstance(out, AudioDelta):
+                if query.speaks:
+                    actions.append(Emit(ResponseAudioDelta(query.id, out.pcm, out.sample_rate)))
             elif isinstance(out, ThinkDone):
                 status: QueryStatus = "completed" if out.reason == "completed" else out.reason
                 if out.reason == "error":
@@ -488,7 +493,9 @@ class VideoChatSession:
         self._query = None
         self._remember(query)
         actions: list[Action] = [Emit(ResponseTextDone(query.id, "".join(query.answer), status))]
-        if query.speaks and not query.speech_ended:
+        if query.speaks and self.voiced:  # the voice ended with the answer
+            actions.append(Emit(ResponseAudioDone(query.id, status)))
+        elif query.speaks and not query.speech_ended:
             if speak and status != "cancelled" and status != "error":
                 if not query.speech_started:  # an empty answer: the utterance still ends, silent
                     self._speaking[self._utterances] = query.id

@@ -26,6 +26,7 @@ from omnigate.engines.qwen3_omni.runner import (
     TurnRequest,
     TurnRunner,
 )
+from omnigate.engines.qwen3_omni.vision import frame_patches
 
 MAX_TOKENS = 12
 MAX_FRAMES = 39  # transformers' talker_max_new_tokens=40 counts the end-of-speech draw too
@@ -266,3 +267,51 @@ def test_steps_run_in_inference_mode_where_the_captured_buffers_live(model: Qwen
     finally:
         del stream.push, stream.close
     assert {kind for kind, _ in seen} == {"push", "close"} and all(mode for _, mode in seen), seen
+
+
+def test_question_about_frames_equals_transformers_generate(model: Qwen3OmniModel) -> None:
+    """Camera frames in the thinker: the vision encoder's tokens at the image placeholders, its deepstack features
+    added after the first decoder layers, and the image tokens at 3-D rotary positions (the text after them at the
+    largest plus one, and decoding on from there), in the talker too: the greedy answer and its codes equal
+    transformers' for the same pixels."""
+    rng = np.random.default_rng(0)
+    pictures = [rng.integers(0, 256, (96, 160, 3), dtype=np.uint8) for _ in range(2)]
+    frames = model.encode_frames(pictures)
+    assert [f.grid for f in frames] == [(3, 5), (3, 5)]
+    config = model.config.thinker_config
+    tok = model.tokenizer
+    start = int(config.vision_start_token_id)
+    content: list[int] = []
+    for frame in frames:
+        content += [start, *[int(config.image_token_id)] * frame.count, start + 1]
+    content += tok.encode(" what is it?")
+    prompt = tok.turn("system", tok.encode("be brief")) + tok.turn("user", content) + tok.open_assistant()
+    request = TurnRequest(prompt=prompt, frames=tuple(frames), max_tokens=MAX_TOKENS, max_frames=20)
+    [(text, codes, done)] = _run(TurnRunner(model), [request]).values()
+    pixels = torch.cat([frame_patches(p, patch=model.patch, merge=model.merge, temporal=2) for p in pictures])
+    whole: Any = model.whole
+    seen: dict[str, torch.Tensor] = {}
+    decode = whole.code2wav.chunked_decode
+
+    def keep_codes(codes: torch.Tensor, **kwargs: Any) -> Any:
+        seen["codes"] = codes.clone()
+        return decode(codes, **kwargs)
+
+    whole.code2wav.chunked_decode = keep_codes
+    try:
+        sequences, _ = whole.generate(
+            torch.tensor([prompt]),
+            pixel_values=pixels,
+            image_grid_thw=torch.tensor([[1, 6, 10]] * 2),
+            speaker="ethan",
+            thinker_max_new_tokens=MAX_TOKENS,
+            thinker_eos_token_id=tok.im_end,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            talker_max_new_tokens=21,
+        )
+    finally:
+        del whole.code2wav.chunked_decode
+    assert text == sequences[0, len(prompt) :].tolist()
+    assert codes == seen["codes"][0].t().tolist()
+    assert done.error is None

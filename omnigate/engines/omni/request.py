@@ -1,7 +1,8 @@
 """What crosses between a video-chat session and the omni engine: queries in, text out (no torch at import).
 
 A query carries the frames sampled for it (decoded pixels and a digest of each), the question's audio, and the
-prompt text around them; the answer comes back as :class:`TextDelta` pieces and one final :class:`ThinkDone`.
+prompt text around them; the answer comes back as :class:`TextDelta` pieces and one final :class:`ThinkDone`, and
+from an engine that speaks its answers itself (``OmniInfo.voiced``) with :class:`AudioDelta` pieces of its voice.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ class TextDelta(msgspec.Struct, frozen=True, tag="text.delta"):
     text: str
 
 
+class AudioDelta(msgspec.Struct, frozen=True, tag="audio.delta"):
+    """The answer's voice, mono s16le at ``sample_rate`` (only from a voiced engine)."""
+
+    pcm: bytes
+    sample_rate: int
+
+
 class ThinkDone(msgspec.Struct, frozen=True, tag="think.done"):
     """The last output of a query; an ``error`` comes with a message and, when the client can act on it, a code."""
 
@@ -37,7 +45,7 @@ class ThinkDone(msgspec.Struct, frozen=True, tag="think.done"):
     code: str | None = None
 
 
-ThinkOutput = TextDelta | ThinkDone
+ThinkOutput = TextDelta | AudioDelta | ThinkDone
 ThinkSink = Callable[[list[ThinkOutput]], None]
 
 
@@ -47,6 +55,7 @@ class OmniInfo(msgspec.Struct, frozen=True):
     frame_size: int
     tokens_per_frame: int
     random_weights: bool
+    voiced: bool = False  # the engine speaks its answers itself: no speech session on the pool
 
 
 @dataclass(frozen=True)
@@ -101,3 +110,5 @@ class ThinkRequest:
     temperature: float = 0.7
     seed: int = 0
     cache: EncoderCache | None = None
+    speak: bool = True  # a voiced engine's answer also in its voice
+    voice: str | None = None  # a voiced engine's voice; None: its default

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
@@ -34,6 +35,7 @@ from omnigate.engines.qwen3_omni.code2wav_stream import Code2WavStream
 from omnigate.engines.qwen3_omni.moe_stack import MoeDecoderStack
 from omnigate.engines.qwen3_omni.presets import PRESETS, preset_config
 from omnigate.engines.qwen3_omni.tokenizer import ChatTokenizer, HfChatTokenizer, PrintableChatTokenizer
+from omnigate.engines.qwen3_omni.vision import FrameTokens, frame_patches, rope_positions
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,19 @@ FRAME_TEMPERATURE = 0
 
 class Qwen3OmniModelError(ValueError):
     """A ``--model`` value that names no checkpoint directory or preset, or options it cannot take."""
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """A prompt's thinker input rows ``[L, hidden]``, and when it holds frames: its rotary positions ``[3, L]``,
+    the ``delta`` decoding continues with, the rows of its image tokens ``[V]`` and their deepstack features
+    ``[k, V, hidden]``."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor | None = None
+    delta: int = 0
+    image_rows: torch.Tensor | None = None
+    deepstack: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,17 @@ class Qwen3OmniModel:
         self.talker_cache = self._cache(self.talker_stack, max_context)
         self.predictor_cache = self._cache(self.predictor_stack, self.groups + 1)
         self.thinker_rope = _rope_table(text.rotary_emb, max_context, self.device, self.dtype)
+        self._thinker_rotary = text.rotary_emb
+        self._talker_rotary = talker.model.rotary_emb
+        # Each slot's rotary offset while decoding (a prompt with frames ends ``delta`` before its length), the
+        # thinker's and the talker's; read by the captured steps at the rows' slots, so device buffers written at
+        # each prefill.
+        self._rope_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+        self._talker_delta = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+        vision = self.config.thinker_config.vision_config
+        self.patch = int(vision.patch_size)
+        self.merge = int(vision.spatial_merge_size)
+        self.temporal_patch = int(vision.temporal_patch_size)
         self.talker_rope = _rope_table(talker.model.rotary_emb, max_context, self.device, self.dtype)
         self.predictor_rope = _rope_table(predictor.model.rotary_emb, self.groups + 1, self.device, self.dtype)
         self.thinker_embed = thinker.get_input_embeddings()
@@ -182,18 +208,63 @@ class Qwen3OmniModel:
     # ---------------------------------------------------------------- thinker
 
     @torch.inference_mode()
-    def embed_prompt(self, ids: Sequence[int], audio: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_prompt(
+        self, ids: Sequence[int], audio: torch.Tensor | None = None, frames: Sequence[FrameTokens] = ()
+    ) -> torch.Tensor:
         """The thinker's input rows ``[L, hidden]`` of a prompt: token embeddings, with ``audio`` (``[n, hidden]``)
-        in order at the ``n`` audio placeholder ids."""
+        in order at the ``n`` audio placeholder ids and the ``frames``' merged embeddings at the image ones."""
+        return self.prompt_inputs(ids, audio, frames).rows
+
+    @torch.inference_mode()
+    def prompt_inputs(
+        self, ids: Sequence[int], audio: torch.Tensor | None = None, frames: Sequence[FrameTokens] = ()
+    ) -> PromptInputs:
+        """What the thinker's prefill reads of a prompt (:class:`PromptInputs`); its image placeholder runs are the
+        ``frames`` in order."""
+        config = self.config.thinker_config
         tokens = torch.tensor(list(ids), device=self.device)
         rows: torch.Tensor = self.thinker_embed(tokens).to(self.dtype)
         if audio is not None and audio.shape[0]:
-            where = tokens == int(self.config.thinker_config.audio_token_id)
+            where = tokens == int(config.audio_token_id)
             if int(where.sum()) != audio.shape[0]:
                 raise Qwen3OmniModelError("the prompt's audio placeholders do not match the audio tokens given")
             rows = rows.clone()
             rows[where] = audio.to(rows.dtype)
-        return rows
+        if not frames:
+            return PromptInputs(rows)
+        image_token = int(config.image_token_id)
+        try:
+            positions = rope_positions(ids, image_token, [f.grid for f in frames])
+        except ValueError as exc:
+            raise Qwen3OmniModelError(str(exc)) from None
+        vision = torch.cat([f.tokens.to(self.device, self.dtype) for f in frames], dim=1)  # [1 + k, V, hidden]
+        image_rows = torch.nonzero(tokens == image_token).view(-1)
+        rows = rows.index_copy(0, image_rows, vision[0])
+        delta = max(max(row) for row in positions) + 1 - len(ids)
+        return PromptInputs(
+            rows=rows,
+            positions=torch.tensor(positions, device=self.device),
+            delta=delta,
+            image_rows=image_rows,
+            deepstack=vision[1:],
+        )
+
+    @torch.inference_mode()
+    def encode_frames(self, frames: Sequence[np.ndarray]) -> list[FrameTokens]:
+        """The vision tokens of each ``H x W x 3`` uint8 frame (sides multiples of ``patch * merge`` pixels), in one
+        encoder call."""
+        if not frames:
+            return []
+        patches = [frame_patches(f, patch=self.patch, merge=self.merge, temporal=self.temporal_patch) for f in frames]
+        grids = [(f.shape[0] // self.patch, f.shape[1] // self.patch) for f in frames]
+        grid_thw = torch.tensor([[1, h, w] for h, w in grids], device=self.device)
+        out = self.whole.thinker.get_image_features(torch.cat(patches).to(self.device, self.dtype), grid_thw)
+        deepstack = out.deepstack_features  # per deepstack layer, a tuple of per-frame [n, hidden]
+        encoded: list[FrameTokens] = []
+        for i, (h, w) in enumerate(grids):
+            stacked = torch.stack([out.pooler_output[i], *(layer[i] for layer in deepstack)])
+            encoded.append(FrameTokens(stacked.detach(), (h // self.merge, w // self.merge)))
+        return encoded
 
     @torch.inference_mode()
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
@@ -211,25 +282,33 @@ class Qwen3OmniModel:
 
     @torch.inference_mode()
     def thinker_prefill(
-        self, slots: Sequence[int], prompts: Sequence[torch.Tensor], *, keep: bool = False
+        self, slots: Sequence[int], prompts: Sequence[torch.Tensor | PromptInputs], *, keep: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """Start each of ``slots`` over with its prompt rows, all in ONE forward (each row attends over its own
-        slot only). The next-token logits ``[n, vocab]``, and with ``keep`` each prompt's thinker hidden states at
-        the talker's ``accept_hidden_layer`` (what the talker reads at audio positions). Raises
-        :class:`~omnigate.engines.kv.slots.ContextFull` before writing anything."""
+        """Start each of ``slots`` over with its prompt (rows, or :class:`PromptInputs` when it holds frames), all
+        in ONE forward (each row attends over its own slot only). The next-token logits ``[n, vocab]``, and with
+        ``keep`` each prompt's thinker hidden states at the talker's ``accept_hidden_layer`` (what the talker reads
+        at audio and image positions). Raises :class:`~omnigate.engines.kv.slots.ContextFull` before writing
+        anything."""
         for slot in slots:
             self.thinker_cache.reset(slot)
-        counts = [int(p.shape[0]) for p in prompts]
+        inputs = [p if isinstance(p, PromptInputs) else PromptInputs(p) for p in prompts]
+        counts = [int(p.rows.shape[0]) for p in inputs]
         rows = self.thinker_cache.plan(slots, counts)
-        cos, sin = (t.index_select(0, rows.positions) for t in self.thinker_rope)
-        x = torch.cat([p.to(self.dtype) for p in prompts])
+        cos, sin = self._rope_rows(
+            self._thinker_rotary, self.thinker_rope, [p.positions for p in inputs], counts, rows.positions
+        )
+        x = torch.cat([p.rows.to(self.dtype) for p in inputs])
+        deepstack = self._deepstack(inputs, counts)
         layers = self.thinker_stack.layers
         keep_layer = min(self.accept_layer, layers) if keep else None
         out, kept = self.thinker_stack.forward(
             x, self.thinker_cache.keys, self.thinker_cache.values, rows.slots, rows.positions, cos, sin,
-            keep_layer=keep_layer,
+            keep_layer=keep_layer, deepstack=deepstack,
         )  # fmt: skip
         self.thinker_cache.commit(slots, counts)
+        self._rope_delta[torch.tensor(list(slots), device=self.device)] = torch.tensor(
+            [p.delta for p in inputs], device=self.device
+        )
         hidden = None
         if kept is not None:
             if keep_layer == layers:  # transformers' last hidden state is the normed one
@@ -237,13 +316,55 @@ class Qwen3OmniModel:
             hidden = list(torch.split(kept, counts))
         return self._thinker_logits(out.index_select(0, rows.last)), hidden
 
+    def _rope_rows(
+        self,
+        rotary: Any,
+        table: tuple[torch.Tensor, torch.Tensor],
+        prompts: Sequence[torch.Tensor | None],
+        counts: Sequence[int],
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of prompts' rows: from ``table`` at the cache ``positions``, or for a prompt with frames (its
+        three position rows ``[3, L]`` in ``prompts``) from the ``rotary`` module."""
+        if all(p is None for p in prompts):
+            cos, sin = (t.index_select(0, positions) for t in table)
+            return cos, sin
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        start = 0
+        for rows, count in zip(prompts, counts, strict=True):
+            if rows is None:
+                at = positions[start : start + count]
+                parts.append((table[0].index_select(0, at), table[1].index_select(0, at)))
+            else:
+                probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
+                cos, sin = rotary(probe, rows[:, None, :])
+                parts.append((cos.reshape(count, -1), sin.reshape(count, -1)))
+            start += count
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+    @staticmethod
+    def _deepstack(inputs: Sequence[PromptInputs], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch's image rows and their deepstack features (every prompt's, offset to its place in the batch)."""
+        rows: list[torch.Tensor] = []
+        features: list[torch.Tensor] = []
+        start = 0
+        for p, count in zip(inputs, counts, strict=True):
+            if p.image_rows is not None and p.deepstack is not None and p.deepstack.shape[0]:
+                rows.append(p.image_rows + start)
+                features.append(p.deepstack)
+            start += count
+        if not rows:
+            return None
+        return torch.cat(rows), torch.cat(features, dim=1)
+
     def _thinker_sample_forward(
         self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sampled = sample_rows(logits, floats[TEMPERATURE], floats[UNIFORM])
         positions = ints[POSITION]
         x = self.thinker_embed(sampled).to(self.dtype)
-        cos, sin = (t.index_select(0, positions) for t in self.thinker_rope)
+        rope = positions + self._rope_delta.index_select(0, ints[SLOT])
+        cos, sin = (t.index_select(0, rope) for t in self.thinker_rope)
         out, _ = self.thinker_stack.forward(
             x, self.thinker_cache.keys, self.thinker_cache.values, ints[SLOT], positions, cos, sin
         )
@@ -275,14 +396,7 @@ class Qwen3OmniModel:
         positions the hidden projection of the thinker's ``accept_hidden_layer`` state."""
         tc = self.config.thinker_config
         multimodal = {int(tc.audio_token_id), int(tc.image_token_id), int(tc.video_token_id)}
-        im_start, user = int(self.config.im_start_token_id), int(self.config.user_token_id)
-        chosen: list[int] = []
-        role = -1
-        for i, token in enumerate(ids):
-            if token == im_start:
-                role = ids[i + 1] if i + 1 < len(ids) else -1
-            if role == user:
-                chosen.append(i)
+        chosen = self._user_positions(ids)
         index = torch.tensor(chosen, device=self.device, dtype=torch.long)
         mm = torch.tensor([ids[i] in multimodal for i in chosen], device=self.device, dtype=torch.bool)
         rows = self.text_projection(embeds.index_select(0, index).to(self.dtype))
@@ -293,6 +407,29 @@ class Qwen3OmniModel:
             rows[mm] = self.hidden_projection(hidden.index_select(0, index)[mm].to(self.dtype)).to(rows.dtype)
         out: torch.Tensor = rows
         return out
+
+    def _user_positions(self, ids: Sequence[int]) -> list[int]:
+        """The indices of the prompt's tokens in turns whose role is ``user`` (the talker's user rows)."""
+        im_start, user = int(self.config.im_start_token_id), int(self.config.user_token_id)
+        chosen: list[int] = []
+        role = -1
+        for i, token in enumerate(ids):
+            if token == im_start:
+                role = ids[i + 1] if i + 1 < len(ids) else -1
+            if role == user:
+                chosen.append(i)
+        return chosen
+
+    def talker_positions(
+        self, ids: Sequence[int], frames: Sequence[FrameTokens], rows: int
+    ) -> tuple[torch.Tensor, int]:
+        """The rotary positions ``[3, rows]`` of the talker's prompt (``rows`` rows: the user rows of prompt ``ids``,
+        then the assistant part) when the prompt holds ``frames``, and the ``delta`` its frames continue from (the
+        talker's positions are computed as the thinker's, over its own ids)."""
+        talker_ids = [ids[i] for i in self._user_positions(ids)]
+        talker_ids += [-1] * (rows - len(talker_ids))  # the assistant part: text positions
+        positions = rope_positions(talker_ids, int(self.config.thinker_config.image_token_id), [f.grid for f in frames])
+        return torch.tensor(positions, device=self.device), max(max(row) for row in positions) + 1 - rows
 
     @torch.inference_mode()
     def talker_prompt(self, user_rows: torch.Tensor, assistant_ids: Sequence[int], speaker: str) -> torch.Tensor:
@@ -329,21 +466,31 @@ class Qwen3OmniModel:
 
     @torch.inference_mode()
     def talker_prefill(
-        self, slots: Sequence[int], prompts: Sequence[torch.Tensor]
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[torch.Tensor],
+        positions: Sequence[tuple[torch.Tensor, int] | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Start each of ``slots``' talker over with its prompt rows, in one forward: the first codebook's logits
-        ``[n, codec vocab]`` and the talker's last hidden state ``[n, hidden]`` of each."""
+        ``[n, codec vocab]`` and the talker's last hidden state ``[n, hidden]`` of each. ``positions``: a prompt's
+        rotary positions and delta when it holds frames (:meth:`talker_positions`), None when they are sequential."""
         for slot in slots:
             self.talker_cache.reset(slot)
             self._seen[slot] = False
         counts = [int(p.shape[0]) for p in prompts]
         rows = self.talker_cache.plan(slots, counts)
-        cos, sin = (t.index_select(0, rows.positions) for t in self.talker_rope)
+        given = list(positions) if positions is not None else [None] * len(prompts)
+        cos, sin = self._rope_rows(
+            self._talker_rotary, self.talker_rope, [None if p is None else p[0] for p in given], counts, rows.positions
+        )
         x = torch.cat([p.to(self.dtype) for p in prompts])
         out, _ = self.talker_stack.forward(
             x, self.talker_cache.keys, self.talker_cache.values, rows.slots, rows.positions, cos, sin
         )
         self.talker_cache.commit(slots, counts)
+        self._talker_delta[torch.tensor(list(slots), device=self.device)] = torch.tensor(
+            [0 if p is None else p[1] for p in given], device=self.device
+        )
         return self._talker_out(out.index_select(0, rows.last))
 
     def _sample_codes(self, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -392,7 +539,8 @@ class Qwen3OmniModel:
             out, _ = self.predictor_stack.forward(embedded, keys, values, slots, position, cos, sin)
             last = self.predictor_stack.norm(out)
         # The talker over the frame: the sum of every codebook's embedding plus the text row.
-        cos, sin = (t.index_select(0, positions) for t in self.talker_rope)
+        rope = positions + self._talker_delta.index_select(0, slots)
+        cos, sin = (t.index_select(0, rope) for t in self.talker_rope)
         out, _ = self.talker_stack.forward(
             summed + trailing.to(self.dtype),
             self.talker_cache.keys,

@@ -106,11 +106,14 @@ class MoeDecoderStack:
         sin: torch.Tensor,
         *,
         keep_layer: int | None = None,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` ``[R, hidden]``: one row per new token, row ``r`` written at ``[slots[r], positions[r]]`` of
         ``keys``/``values`` (``[layers, slots, capacity, Hkv, D]``) and attending causally over its slot. Returns the
         last layer's output (before the final norm) and, when ``keep_layer`` is ``n``, the output of the first ``n``
-        layers (transformers' ``hidden_states[n]``)."""
+        layers (transformers' ``hidden_states[n]``). ``deepstack`` (rows ``[V]``, features ``[k, V, hidden]``): the
+        vision features added at those rows after each of the first ``k`` layers (after ``hidden_states`` is taken,
+        as transformers does)."""
         lengths = positions + 1
         kept: torch.Tensor | None = x if keep_layer == 0 else None
         for i, layer in enumerate(self._layers):
@@ -127,6 +130,8 @@ class MoeDecoderStack:
                 x = torch.addmm(x, silu_mul(h @ layer.gate_up.t()), layer.down.t())
             if keep_layer == i + 1:
                 kept = x
+            if deepstack is not None and i < deepstack[1].shape[0]:
+                x = x.index_add(0, deepstack[0], deepstack[1][i].to(x.dtype))
         return x, kept
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:

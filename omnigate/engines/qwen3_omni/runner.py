@@ -27,6 +27,7 @@ import torch
 
 from omnigate.engines.kv.slots import ContextFull
 from omnigate.engines.qwen3_omni.model import Qwen3OmniModel
+from omnigate.engines.qwen3_omni.vision import FrameTokens
 
 # Prompt tokens prefilled per step (at least one turn's).
 PREFILL_TOKENS_PER_STEP = 8192
@@ -39,6 +40,7 @@ class TurnRequest:
 
     prompt: list[int]
     audio: torch.Tensor | None = None  # audio tokens at the prompt's audio placeholders, in order
+    frames: tuple[FrameTokens, ...] = ()  # vision tokens of the prompt's image placeholder runs, in order
     speak: bool = True
     speaker: str = "ethan"
     max_tokens: int = 512
@@ -202,15 +204,15 @@ class TurnRunner:
             batch.append(turn)
         if not batch:
             return
-        embeds = [model.embed_prompt(t.request.prompt, t.request.audio) for t in batch]
-        keep = any(t.request.speak and t.request.audio is not None for t in batch)
-        logits, hidden = model.thinker_prefill([t.slot for t in batch], embeds, keep=keep)
+        inputs = [model.prompt_inputs(t.request.prompt, t.request.audio, t.request.frames) for t in batch]
+        keep = any(t.request.speak and (t.request.audio is not None or t.request.frames) for t in batch)
+        logits, hidden = model.thinker_prefill([t.slot for t in batch], inputs, keep=keep)
         for i, turn in enumerate(batch):
             turn.thinker_logits = logits[i]
             if turn.request.speak:
                 turn.row = model.code2wav.open()
                 turn.user_rows = model.talker_user_rows(
-                    turn.request.prompt, embeds[i], None if hidden is None else hidden[i]
+                    turn.request.prompt, inputs[i].rows, None if hidden is None else hidden[i]
                 )
             self._running.append(turn)
 
@@ -261,7 +263,7 @@ class TurnRunner:
                 model.talker_prompt(turn.user_rows, [*turn.request.prompt[-3:], turn.text[0]], turn.request.speaker)
             )
         ready: list[_Turn] = []
-        ready_prompts = []
+        ready_prompts: list[torch.Tensor] = []
         for turn, prompt in zip(starting, prompts, strict=True):
             turn.user_rows = None
             if prompt.shape[0] + 1 > model.max_context:
@@ -272,8 +274,12 @@ class TurnRunner:
                 ready_prompts.append(prompt)
         if not ready:
             return
+        positions = [
+            model.talker_positions(t.request.prompt, t.request.frames, int(p.shape[0])) if t.request.frames else None
+            for t, p in zip(ready, ready_prompts, strict=True)
+        ]
         try:
-            logits, hidden = model.talker_prefill([t.slot for t in ready], ready_prompts)
+            logits, hidden = model.talker_prefill([t.slot for t in ready], ready_prompts, positions)
         except ContextFull as exc:  # checked above; a defensive end rather than a dead worker
             for turn in ready:
                 self._finish(turn, TurnDone(CONTEXT_LENGTH_EXCEEDED, str(exc)), events)

@@ -29,8 +29,8 @@ from omnigate.gateway.errors import HttpError
 from omnigate.gateway.state import Gateway
 from omnigate.gateway.video_chat.frames import FrameDecodePool
 from omnigate.gateway.video_chat.protocol import event_json
-from omnigate.gateway.video_chat.runner import Closed, VideoChatRunner
-from omnigate.gateway.video_chat.ws import chat_limits, frame_decoding, handle_client_text
+from omnigate.gateway.video_chat.runner import Closed, ThinkEngine, VideoChatRunner
+from omnigate.gateway.video_chat.ws import UNAVAILABLE, chat_limits, frame_decoding, handle_client_text
 from omnigate.gateway.webrtc.channel import ChannelWriter
 from omnigate.gateway.webrtc.ice import rtc_configuration
 from omnigate.gateway.webrtc.microphone import consume_microphone
@@ -41,7 +41,6 @@ from omnigate.sessions.registry import SessionLease
 from omnigate.sessions.video_chat import ResponseAudioDelta, ResponseAudioDone
 
 if TYPE_CHECKING:
-    from omnigate.engines.omni.engine import OmniEngine
     from omnigate.engines.vad import SpeechProbability
 
 log = logging.getLogger(__name__)
@@ -101,7 +100,7 @@ class VideoChatCall:
         gateway: Gateway,
         lease: SessionLease,
         telemetry: WebRtcTelemetry,
-        engine: OmniEngine,
+        engine: ThinkEngine,
         frames: FrameDecodePool,
         vad: SpeechProbability,
     ) -> None:
@@ -293,13 +292,11 @@ async def video_chat_calls_endpoint(request: Request) -> Response:
 
     gateway: Gateway = request.app.state.gateway
     calls: WebRtcCalls = request.app.state.webrtc
-    engine: OmniEngine | None = getattr(request.app.state, "omni_engine", None)
+    engine: ThinkEngine | None = getattr(request.app.state, "omni_engine", None)
     try:
         offer = await read_offer(request, gateway.settings.webrtc_max_offer_bytes)
         if engine is None:
-            raise HttpError(
-                503, "this gateway serves no omni model (start it with --omni-model)", code="video_chat_unavailable"
-            )
+            raise HttpError(503, UNAVAILABLE, code="video_chat_unavailable")
         if gateway.pool is None:
             raise HttpError(503, "the engine is not loaded yet", code="not_ready")
         lease = admit_call(gateway, TRANSPORT)

@@ -8,6 +8,9 @@ first sentence and the talker batches these streams with every other speech sess
 
 A pump moves the speech stream's events into the session's queue one at a time and takes the next only once the
 transport has taken the audio before it, so the engine's credit still follows what the client actually reads.
+
+An engine that speaks its answers itself (``info.voiced``: Qwen3-Omni under ``--engine qwen3-omni``) needs no speech
+stream: its voice comes with its text (bounded by the answer's frames and the session's event queue).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from omnigate.engines.base import EngineError
-from omnigate.engines.omni.request import EncoderCache, ThinkOutput, ThinkRequest
+from omnigate.engines.omni.request import EncoderCache, FrameInput, OmniInfo, ThinkOutput, ThinkRequest, ThinkSink
 from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.video_chat.frames import EncodedFrame, FrameDecodePool, FrameDecoder
 from omnigate.sessions.driver import SessionDriver
@@ -38,6 +41,7 @@ from omnigate.sessions.video_chat import (
     Emit,
     FinishSpeech,
     Pong,
+    PromptFormat,
     ResponseAudioDelta,
     SpeakText,
     StartThink,
@@ -46,13 +50,39 @@ from omnigate.sessions.video_chat import (
     VideoChatSession,
 )
 
-if TYPE_CHECKING:
-    from omnigate.engines.omni.engine import OmniEngine, ThinkJob
-
 log = logging.getLogger(__name__)
 
 # Events queued for the transport beyond the speech stream's own (bounded) outbox: text deltas and control events.
 MAX_QUEUED_EVENTS = 4096
+
+
+class ThinkJobHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class PromptModel(Protocol):
+    @property
+    def tokenizer(self) -> PromptFormat: ...
+
+
+class ThinkEngine(Protocol):
+    """What a session needs of the engine answering its questions (:class:`~omnigate.engines.omni.engine.OmniEngine`,
+    or :class:`~omnigate.engines.qwen3_omni.video_chat.Qwen3VideoChat`)."""
+
+    @property
+    def info(self) -> OmniInfo: ...
+
+    @property
+    def model(self) -> PromptModel: ...
+
+    def submit(self, request: ThinkRequest, sink: ThinkSink) -> ThinkJobHandle:
+        """Start answering; raises :class:`~omnigate.engines.base.EngineError` (``engine_busy``, ...)."""
+
+    def encode_ahead(self, frame: FrameInput, cache: EncoderCache) -> None:
+        """A kept camera frame a question may sample (the engine may encode it into ``cache`` before it is asked)."""
+
+    def forget_frames(self, cache: EncoderCache) -> None:
+        """The session of ``cache`` ended: drop its frames still waiting to be encoded ahead."""
 
 
 class Closed(msgspec.Struct, frozen=True):
@@ -66,7 +96,7 @@ class VideoChatRunner:
 
     def __init__(
         self,
-        engine: OmniEngine,
+        engine: ThinkEngine,
         pool: EnginePoolAPI[Any],
         frames: FrameDecodePool,
         speech_limits: SessionLimits,
@@ -78,14 +108,17 @@ class VideoChatRunner:
         self.engine = engine
         self.frame_budget = frames.budget
         self._on_closed = on_closed
-        self.session = VideoChatSession(engine.model.tokenizer, limits)
+        voiced = engine.info.voiced
+        self.session = VideoChatSession(engine.model.tokenizer, limits, voiced=voiced)
         # The video-chat session keeps its own idle rule (frames keep it alive); the speech stream never idles out.
         limits_no_idle = msgspec.structs.replace(speech_limits, idle_timeout_ms=speech_limits.max_session_ms)
-        self.driver = SessionDriver(pool, limits_no_idle)
-        self.driver.submit(Configure(SessionConfig()))
+        self.driver: SessionDriver | None = None
+        if not voiced:
+            self.driver = SessionDriver(pool, limits_no_idle)
+            self.driver.submit(Configure(SessionConfig()))
         self.encoder_cache = EncoderCache(capacity=2 * limits.max_decoding_frames + 256)
         self._seed = seed
-        self._job: ThinkJob | None = None
+        self._job: ThinkJobHandle | None = None
         self._job_query: int | None = None
         self._events: deque[ChatEvent | Closed] = deque()
         self._ready = asyncio.Event()
@@ -100,8 +133,10 @@ class VideoChatRunner:
             self._on_worker_died,
             capacity=limits.max_decoding_frames,
         )
-        self._pump = asyncio.create_task(self._pump_speech(), name="video-chat-speech")
-        self._pump.add_done_callback(self._pump_ended)
+        self._pump: asyncio.Task[None] | None = None
+        if self.driver is not None:
+            self._pump = asyncio.create_task(self._pump_speech(self.driver), name="video-chat-speech")
+            self._pump.add_done_callback(self._pump_ended)
 
     # ---- client inputs ----------------------------------------------------------------------------------------
 
@@ -120,7 +155,8 @@ class VideoChatRunner:
     def configure(self, config: VideoChatConfig) -> None:
         voice_changed = self.session.config is None or config.voice != self.config.voice
         self._apply(self.session.configure(config))
-        if voice_changed and self.session.config is config and not self.session.answering:
+        changed = voice_changed and self.session.config is config and not self.session.answering
+        if changed and self.driver is not None:
             self.driver.submit(Configure(SessionConfig(voice=config.voice)))
 
     def frame(self, data: EncodedFrame) -> None:
@@ -166,11 +202,13 @@ class VideoChatRunner:
         """Release everything: engine work, the speech stream, the decoder and the pump. Idempotent."""
         if not self._closed:
             self.abort("released")
-        self._pump.cancel()
-        await asyncio.wait([self._pump])  # a pump that died has ended the session already
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.wait([self._pump])  # a pump that died has ended the session already
         await self.decoder.close()
         self.engine.forget_frames(self.encoder_cache)
-        self.driver.release()
+        if self.driver is not None:
+            self.driver.release()
 
     # ---- internals --------------------------------------------------------------------------------------------
 
@@ -196,11 +234,11 @@ class VideoChatRunner:
                     self._job.cancel()
                     self._job = None
             elif isinstance(action, SpeakText):
-                self.driver.submit(AppendText(action.text))
+                self._speech(AppendText(action.text))
             elif isinstance(action, FinishSpeech):
-                self.driver.submit(Flush())
+                self._speech(Flush())
             elif isinstance(action, CancelSpeech):
-                self.driver.submit(Cancel())
+                self._speech(Cancel())
             elif isinstance(action, CloseSession):
                 if self._job is not None:
                     self._job.cancel()
@@ -208,9 +246,15 @@ class VideoChatRunner:
                 self._events.append(Closed(action.reason))
                 self._ready.set()
                 self._closed = True
-                self.driver.abort(action.reason)
+                if self.driver is not None:
+                    self.driver.abort(action.reason)
                 if self._on_closed is not None:
                     self._on_closed()
+
+    def _speech(self, message: AppendText | Flush | Cancel) -> None:
+        # A voiced session's state machine asks for no speech stream.
+        if self.driver is not None:
+            self.driver.submit(message)
 
     def _start(self, action: StartThink) -> None:
         query = action.query
@@ -223,6 +267,8 @@ class VideoChatRunner:
             temperature=action.temperature,
             seed=self._seed + query,
             cache=self.encoder_cache,
+            speak=self.config.speaks,
+            voice=self.config.voice,
         )
 
         def sink(outputs: list[ThinkOutput]) -> None:
@@ -260,9 +306,9 @@ class VideoChatRunner:
         log.error("a video-chat speech pump stopped", exc_info=error)
         self._on_worker_died(f"the speech stream stopped: {type(error).__name__}: {error}")
 
-    async def _pump_speech(self) -> None:
+    async def _pump_speech(self, driver: SessionDriver) -> None:
         while True:
-            event = await self.driver.next_event()
+            event = await driver.next_event()
             self._apply(self.session.on_speech(event))
             if isinstance(event, SessionClosed):
                 return

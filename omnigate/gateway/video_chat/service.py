@@ -1,26 +1,45 @@
-"""The omni engine's life in a gateway process: loaded beside the speech engine when ``--omni-model`` names one."""
+"""The video-chat engine's life in a gateway process: the omni engine loaded beside the speech engine when
+``--omni-model`` names one, or the served engine itself when it answers with its own voice (``--engine qwen3-omni``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from omnigate.engines.cpus import available_cpus
+from omnigate.engines.pool import EnginePool
+from omnigate.engines.pool_api import EnginePoolAPI
 from omnigate.gateway.settings import Settings
 from omnigate.gateway.video_chat.frames import FrameDecodePool
 from omnigate.gateway.video_chat.image_budget import FrameBudget
 
 if TYPE_CHECKING:
     from omnigate.engines.omni.engine import OmniEngine
+    from omnigate.engines.qwen3_omni.video_chat import Qwen3VideoChat
+
+QWEN3_OMNI = "qwen3-omni"
 
 log = logging.getLogger(__name__)
 
 
-async def start_omni_engine(settings: Settings) -> OmniEngine | None:
-    """Load and start the omni engine (off the event loop: it builds a model), or None without ``--omni-model``."""
+async def start_omni_engine(
+    settings: Settings, pool: EnginePoolAPI[Any] | None = None
+) -> OmniEngine | Qwen3VideoChat | None:
+    """Load and start the omni engine (off the event loop: it builds a model); without ``--omni-model``, the pool's
+    Qwen3-Omni engine when it serves one, else None."""
     if not settings.omni_model:
-        return None
+        if pool is None or pool.info.family != QWEN3_OMNI:
+            return None
+        from omnigate.engines.qwen3_omni.video_chat import Qwen3VideoChat  # torch: a qwen3-omni gateway has it
+
+        if not isinstance(pool, EnginePool):
+            raise ValueError(f"the {QWEN3_OMNI} engine runs in this process: video chat needs the local engine pool")
+        chat = Qwen3VideoChat(cast(Any, pool.engine).turns)
+        log.info(
+            "video chat on %s: %d vision tokens a frame, in its own voice", chat.info.model, chat.info.tokens_per_frame
+        )
+        return chat
     from omnigate.engines.omni.engine import OmniEngine  # torch: imported only by a gateway that serves video chat
 
     engine = await asyncio.to_thread(OmniEngine.load, settings.omni_model, **settings.omni_options)
@@ -35,7 +54,7 @@ async def start_omni_engine(settings: Settings) -> OmniEngine | None:
     return engine
 
 
-async def stop_omni_engine(engine: OmniEngine | None) -> None:
+async def stop_omni_engine(engine: OmniEngine | Qwen3VideoChat | None) -> None:
     if engine is not None:
         await asyncio.to_thread(engine.stop)
 

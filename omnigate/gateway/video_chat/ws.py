@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -33,16 +33,14 @@ from omnigate.gateway.video_chat.protocol import (
     event_json,
     merged_config,
 )
-from omnigate.gateway.video_chat.runner import Closed, VideoChatRunner
+from omnigate.gateway.video_chat.runner import Closed, ThinkEngine, VideoChatRunner
 from omnigate.sessions.registry import SessionLimitReached
 from omnigate.sessions.video_chat import ResponseAudioDone, ResponseTextDone, VideoChatLimits
-
-if TYPE_CHECKING:
-    from omnigate.engines.omni.engine import OmniEngine
 
 log = logging.getLogger(__name__)
 
 TRANSPORT = "video-chat"
+UNAVAILABLE = "this gateway serves no omni model (start it with --omni-model, or serve --engine qwen3-omni)"
 CLOSE_CODES = {
     "client_done": 1000,
     "client_disconnected": 1000,
@@ -55,8 +53,8 @@ CLOSE_CODES = {
 }
 
 
-def omni_engine(ws: WebSocket) -> OmniEngine | None:
-    engine: OmniEngine | None = getattr(ws.app.state, "omni_engine", None)
+def omni_engine(ws: WebSocket) -> ThinkEngine | None:
+    engine: ThinkEngine | None = getattr(ws.app.state, "omni_engine", None)
     return engine
 
 
@@ -74,9 +72,7 @@ async def video_chat_endpoint(ws: WebSocket) -> None:
     gateway: Gateway = ws.app.state.gateway
     engine = omni_engine(ws)
     if engine is None:
-        await _refuse(
-            ws, "video_chat_unavailable", "this gateway serves no omni model (start it with --omni-model)", 4404
-        )
+        await _refuse(ws, "video_chat_unavailable", UNAVAILABLE, 4404)
         return
     if gateway.pool is None:
         await _refuse(ws, "not_ready", "the engine is not loaded yet", 1013)
@@ -132,7 +128,7 @@ def handle_client_text(runner: VideoChatRunner, text: str, settings: Settings) -
 class VideoChatConnection:
     """One accepted connection; also the session's drain target (idle while no query is answered)."""
 
-    def __init__(self, ws: WebSocket, gateway: Gateway, engine: OmniEngine, frames: FrameDecodePool) -> None:
+    def __init__(self, ws: WebSocket, gateway: Gateway, engine: ThinkEngine, frames: FrameDecodePool) -> None:
         assert gateway.pool is not None
         self.ws = ws
         self.settings = gateway.settings
