@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
+import websockets
 
 from tests.integration.test_duplex_core import Urls
 from tests.integration.test_engine_core import core_server
@@ -35,6 +37,12 @@ async def ask(connection: Any, text: str, tokens: int) -> None:
 async def test_spoken_turns_are_answered_by_the_core_and_its_one_slot_is_shared_exactly(tmp_path: Path) -> None:
     async with core_server(tmp_path, OMNI) as server:
         await server.wait_workers_started(2)
+        # Video chat hands the engine frames in the gateway's process: with the engine in the core it is refused, typed.
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/video/chat/stream") as ws:
+            error = json.loads(await ws.recv())
+            assert error["code"] == "video_chat_unavailable" and "--engine-process inline" in error["message"]
+            await ws.wait_closed()
+            assert ws.close_code == 4404
         urls = Urls(server.port)
         async with realtime(urls) as first, realtime(urls) as second:
             await recv(first)

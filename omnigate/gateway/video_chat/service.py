@@ -34,7 +34,12 @@ async def start_omni_engine(
         from omnigate.engines.qwen3_omni.video_chat import Qwen3VideoChat  # torch: a qwen3-omni gateway has it
 
         if not isinstance(pool, EnginePool):
-            raise ValueError(f"the {QWEN3_OMNI} engine runs in this process: video chat needs the local engine pool")
+            # The engine core carries realtime answers only; video chat hands the engine frames in this process.
+            log.warning(
+                "video chat is not served: the %s engine runs in an engine core (--engine-process inline serves it)",
+                QWEN3_OMNI,
+            )
+            return None
         chat = Qwen3VideoChat(cast(Any, pool.engine).turns)
         log.info(
             "video chat on %s: %d vision tokens a frame, in its own voice", chat.info.model, chat.info.tokens_per_frame

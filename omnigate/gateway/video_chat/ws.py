@@ -40,7 +40,10 @@ from omnigate.sessions.video_chat import ResponseAudioDone, ResponseTextDone, Vi
 log = logging.getLogger(__name__)
 
 TRANSPORT = "video-chat"
-UNAVAILABLE = "this gateway serves no omni model (start it with --omni-model, or serve --engine qwen3-omni)"
+UNAVAILABLE = (
+    "this gateway serves no omni model (start it with --omni-model, or serve --engine qwen3-omni with the engine in "
+    "its process: --engine-process inline)"
+)
 CLOSE_CODES = {
     "client_done": 1000,
     "client_disconnected": 1000,
