@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from omnigate.engines.base import (
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.registry import load_engine
 from omnigate.engines.talker.context import ContextSegment
-from omnigate.engines.talker.engine import STAGES, TalkerEngine
+from omnigate.engines.talker.engine import STAGES, TalkerEngine, _profile_sizes
 from omnigate.engines.talker.frames import CLOSING
 from omnigate.engines.talker.model import build_preset
 from omnigate.engines.talker.options import TalkerOptions
@@ -431,8 +432,10 @@ def test_the_steps_time_is_counted_by_stage() -> None:
 
 def test_the_step_time_by_batch_size_is_measured_at_load_and_prices_admission() -> None:
     fresh = make_engine()
-    profile = fresh.info.step_profile
+    assert fresh.info.step_profile == ()  # a CPU step shares its cores: not priced by one measurement at load
+    profile = tuple(fresh.device_step.time_steps(_profile_sizes(fresh.options.max_batch)))
     assert [rows for rows, _ in profile] == [1, 2, 4] and all(seconds > 0 for _, seconds in profile)
+    fresh.info = msgspec.structs.replace(fresh.info, step_profile=profile)  # as a CUDA engine publishes it
     pool = EnginePool(fresh)  # not started: only its admission is read
     # Priced before any step ran: four streams stepped once per 80 ms frame, at least at the step of four rows.
     load = pool.admission.load(4)

@@ -113,9 +113,13 @@ class TalkerEngine(Engine):
         self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
         if graphs and options.prefill_graph_tokens:
             self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
-        # Step time by batch size, for admission to price rows with before any session stepped.
-        profile = tuple(self.device_step.time_steps(_profile_sizes(options.max_batch)))
-        log.info("talker step time by batch size: %s", ", ".join(f"{rows}: {s * 1e3:.1f} ms" for rows, s in profile))
+        # Step time by batch size, for admission to price rows with before any session stepped. A GPU's only: a CPU
+        # step shares its cores with the rest of the machine, and one measurement at load would price every later
+        # admission by whatever else ran then (CPU engines are priced by the steps they run, as before).
+        profile: tuple[tuple[int, float], ...] = ()
+        if self.frames.device.type == "cuda":
+            profile = tuple(self.device_step.time_steps(_profile_sizes(options.max_batch)))
+            log.info("talker step time by batch size: %s", ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in profile))
         self.schedule = ChunkSchedule(first=options.chunk_first_frames, cap=options.chunk_max_frames)
         self.sample_rate = self.codec.sample_rate
         self.frame_ms = self.codec.samples_per_frame * 1000.0 / self.sample_rate
