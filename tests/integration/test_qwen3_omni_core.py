@@ -25,6 +25,9 @@ pytestmark = pytest.mark.slow
 OMNI = [
     *["--engine", "qwen3-omni", "--model", "preset:tiny", "-E", "max_sessions=1", "-E", "max_context=512"],
     *["--workers", "2"],
+    # Each worker admits both sessions (its default, the engine's one slot, would refuse the second session at
+    # connect when the kernel hands both connections to one worker): the core's one slot is what is shared.
+    *["--max-sessions", "2"],
 ]
 
 
