@@ -25,6 +25,8 @@ from omnigate.engines.base import (
     SynthesisParams,
 )
 from omnigate.engines.pool import EnginePool, PoolFull, PoolStream
+from omnigate.engines.remote.protocol import Opened, Refused, ReserveSession, decode_stream_message, encode
+from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.synthetic import SyntheticConfig, SyntheticEngine
 from tests.engine_outputs import TIMEOUT_S, Collector
 
@@ -284,3 +286,26 @@ def test_a_place_refused_by_its_cost_is_refused_without_scanning_the_streams(
     with pytest.raises(PoolFull):
         pool.reserve()
     assert pool.admission.refused_total == 1
+
+
+async def test_the_core_refuses_a_session_without_counting_its_room_under_the_pools_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under overload the core's event loop answers thousands of refusals a second; the stepping thread needs the
+    # pool's lock before and after each step, so a refusal must not scan every stream under it.
+    core = ReplicaCore(SyntheticEngine(SyntheticConfig(max_sessions=8)), "core", admission=AdmissionSettings())
+    try:
+        core.pool.admission.observe_step(0.0, 10.0, 1000.0)  # ten worker seconds per second of audio
+        first = core.stream(encode(ReserveSession("first", "gateway")))
+        assert isinstance(decode_stream_message(await anext(first)), Opened)  # an idle pool takes one session
+
+        def scan(now: float) -> float | None:
+            raise AssertionError("every stream was scanned to answer a refusal")
+
+        monkeypatch.setattr(core.pool, "_slack_locked", scan)
+        refused = decode_stream_message(await anext(core.stream(encode(ReserveSession("second", "gateway")))))
+        assert isinstance(refused, Refused) and refused.code == "engine_busy" and refused.free_slots == 0
+        assert core.pool.admission.refused_total == 1
+        await first.aclose()
+    finally:
+        await asyncio.to_thread(core.shutdown)

@@ -138,7 +138,8 @@ class ReplicaCore:
             yield self._refusal("shutting_down", "the engine replica is shutting down")
             return
         except EngineError as exc:
-            yield self._refusal(exc.code, exc.message)
+            # The engine's own refusal (a bad voice, a stalled engine): the pool may have room.
+            yield self._refusal(exc.code, exc.message, 0 if self.draining else self.pool.free_slots)
             return
         served = _Served(ps, request.gateway, request.credit_limit_ms)
         self._streams[request.stream_id] = served
@@ -300,6 +301,8 @@ class ReplicaCore:
             self.pool.grant(served.ps, credit_limit_ms - served.granted_ms)
             served.granted_ms = credit_limit_ms
 
-    def _refusal(self, code: str, message: str) -> bytes:
-        free = 0 if self.draining else self.pool.free_slots
-        return encode(Refused(self.replica, code, message, self.retry_after_s, free))
+    def _refusal(self, code: str, message: str, free_slots: int = 0) -> bytes:
+        """A ``Refused`` message. A refusal by the pool (no room, draining, closed) reports no free slot without
+        counting them: the count takes the pool's lock, which the stepping thread needs before and after every step,
+        and scans every stream, and under overload the core answers thousands of refusals a second."""
+        return encode(Refused(self.replica, code, message, self.retry_after_s, free_slots))
