@@ -111,8 +111,17 @@ class TalkerEngine(Engine):
         )
         graphs = options.cuda_graphs and self.frames.device.type == "cuda"
         self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
-        if graphs and options.prefill_graph_tokens:
-            self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
+        graph_tokens = prefill_graph_tokens(options)
+        if graphs and graph_tokens:
+            prefills = self.frames.capture_prefill(graph_tokens)
+            log.info(
+                "talker prefill graphs: %d sizes up to %d tokens (step budget %d), %.0f MiB, captured in %.1f s",
+                len(prefills.buckets),
+                graph_tokens,
+                options.prefill_tokens_per_step,
+                prefills.pool_bytes / 2**20,
+                prefills.capture_s,
+            )
         # Step time by batch size, for admission to price rows with before any session stepped.
         profile = tuple(self.device_step.time_steps(_profile_sizes(options.max_batch)))
         log.info("talker step time by batch size: %s", ", ".join(f"{rows}: {s * 1e3:.1f} ms" for rows, s in profile))
@@ -570,6 +579,14 @@ class _PrefillUnit:
     @property
     def size(self) -> int:
         return (0 if self.context is None else int(self.context.shape[0])) + len(self.tokens)
+
+
+def prefill_graph_tokens(options: TalkerOptions) -> int:
+    """Token counts up to which the prefill graphs are captured (0: none): by default the per-step prefill budget,
+    so that every step's prefill replays one graph (a lone unit longer than the budget replays them in pieces)."""
+    if options.prefill_graph_tokens is None:
+        return options.prefill_tokens_per_step
+    return options.prefill_graph_tokens
 
 
 def _profile_sizes(max_batch: int) -> list[int]:
