@@ -194,6 +194,55 @@ def test_an_aborted_stream_drops_its_frame_in_flight_and_its_slot_serves_a_new_s
     assert engine.free_slots == 2
 
 
+@pytest.mark.parametrize(
+    ("script", "options"),
+    [
+        pytest.param(  # end-of-audio frames end units and streams: the filings ahead are undone
+            Script(
+                opens={0: 0, 1: 1, 2: 1},
+                texts={0: ["One.", "Two.", "Three."], 1: ["Another one.", "And more."], 2: ["Short."]},
+                max_audio_ms={0: 4000, 1: 4000, 2: 4000},
+            ),
+            {"eos_bias": 9.0},
+            id="end-of-audio",
+        ),
+        pytest.param(  # unit caps and utterance caps reached by frames filed ahead, in batches that leave rows out
+            Script(
+                opens={k: k for k in range(6)},
+                texts={k: [f"Stream {k} speaks.", "Again."] for k in range(6)},
+                max_audio_ms={k: 480 + 80 * k for k in range(6)},
+                grant_ms=100.0,
+                initial_ms=250.0,
+            ),
+            {"max_sessions": 6, "max_batch": 4, "silence_dbfs": -300.0, "segment_ms_per_char": 40.0},
+            id="caps-and-paced-credit",
+        ),
+        pytest.param(  # silence ends streams; a stream is aborted with a frame in flight
+            Script(
+                opens={0: 0, 1: 0, 2: 3},
+                texts={0: ["Quiet.", "Never said."], 1: ["Cut off."], 2: ["Also quiet."]},
+                max_audio_ms={0: 9000, 1: 9000, 2: 9000},
+                aborts={1: 2},
+            ),
+            {"silence_dbfs": 100.0, "silence_s": 0.4},
+            id="silence-and-abort",
+        ),
+    ],
+)
+def test_filing_ahead_of_the_wait_changes_no_frame_chunk_or_event(script: Script, options: dict[str, Any]) -> None:
+    waited = simulate(make_engine(False, **options), script)
+    filed_after = simulate(make_engine(True, file_ahead=False, **options), script)
+    ahead = make_engine(True, **options)
+    assert ahead.file_ahead
+    filed_ahead = simulate(ahead, script)
+    for k in script.opens:
+        assert filed_ahead[k].received == filed_after[k].received
+        if k not in script.aborts:
+            assert filed_ahead[k].received == waited[k].received
+            assert isinstance(waited[k].received[-1], StreamDone)
+    assert ahead.free_slots == ahead.options.max_sessions
+
+
 def test_first_audio_leaves_one_call_after_its_frame_is_launched() -> None:
     engine = make_engine(True)
     stream = engine.open(SynthesisParams(voice="0", max_audio_ms=800), seed=1)

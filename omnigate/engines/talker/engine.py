@@ -13,7 +13,10 @@ With ``overlap_steps`` (the default on CUDA) a step's device work overlaps the h
 for the device step the previous call launched, files only what the next plan depends on (end-of-audio flags, frame
 counts), plans and launches the next device step, and only then turns the previous step's frames into PCM chunks
 and events, while the device runs. Outputs therefore leave one call after the frame was launched; the frames, chunks
-and events of every stream are the same as without overlap.
+and events of every stream are the same as without overlap. With ``file_ahead`` (the default) the filing too runs
+before the wait, while the device computes the frames filed: each as an audio frame, the end-of-audio ones corrected
+after the wait. Planning and launching the next step stay between the wait and the launch: they depend on which
+frames ended their segment.
 
 A stream never generates audio its credit cannot take: it advances only when its budget covers the frames it holds
 plus one more, and flushes what it holds when it cannot. One stream is one utterance; each text unit becomes a
@@ -137,6 +140,7 @@ class TalkerEngine(Engine):
         self.overlap_steps = (
             options.overlap_steps if options.overlap_steps is not None else self.frames.device.type == "cuda"
         )
+        self.file_ahead = self.overlap_steps and options.file_ahead
         self._in_flight: _InFlight | None = None
         # seconds of the steps by stage (see stage_seconds); written by the stepping thread only
         self._stages = dict.fromkeys(STAGES, 0.0)
@@ -319,8 +323,9 @@ class TalkerEngine(Engine):
         result and the frames whose PCM is still to be copied into their stream's held frames, as (stream, index in
         its held frames, row of the result): copied after the next launch, all rows in one pass, from the other host
         buffer than the one the next step writes."""
-        result = self._wait_for(flight.buffer)
         rows = {id(stream): row for row, stream in enumerate(batch)}
+        filed = self._file_ahead(flight, rows) if self.file_ahead else {}
+        result = self._wait_for(flight.buffer)
         ended = result.ended.tolist()
         rms = result.rms.tolist()
         deferred: list[tuple[TalkerStream, int, int]] = []
@@ -335,7 +340,14 @@ class TalkerEngine(Engine):
                 continue
             if stream.closed or stream.finished:
                 continue  # aborted, or finished by silence after this frame was launched: the frame is dropped
-            ending = self._file_frame(stream, ended[k], None, rms[k])
+            if k not in filed:
+                ending = self._file_frame(stream, ended[k], None, rms[k])
+            elif ended[k]:
+                _unfile_frame(stream)  # not audio: the frame filed ahead as audio ends the segment instead
+                ending = "completed"
+            else:
+                stream.pending_rms[-1] = rms[k]
+                ending = filed[k]
             if ending is None:
                 deferred.append((stream, len(stream.pending) - 1, k))
                 continue
@@ -343,6 +355,16 @@ class TalkerEngine(Engine):
                 stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
             self._file_ending(stream, ending)
         return result, deferred
+
+    def _file_ahead(self, flight: _InFlight, rows: dict[int, int]) -> dict[int, StopReason | None]:
+        """File the frames still on the device of this call's streams as audio frames (placeholders; RMS and PCM
+        come after the wait), while the device computes them: what each filing returned, by row of the flight. The
+        wait then only corrects the rows whose frame was the end-of-audio frame."""
+        filed: dict[int, StopReason | None] = {}
+        for k, stream in enumerate(flight.streams):
+            if id(stream) in rows and not (stream.closed or stream.finished):
+                filed[k] = self._file_frame(stream, False, None, 0.0)
+        return filed
 
     def _wait_for(self, buffer: int) -> StepResult:
         """The device step's result, the time waited for it counted as the step's device wait."""
@@ -593,6 +615,14 @@ def _profile_sizes(max_batch: int) -> list[int]:
     """Batch sizes whose step time is measured at load: powers of two below ``max_batch``, and ``max_batch``."""
     sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
     return [*sizes, max_batch]
+
+
+def _unfile_frame(stream: TalkerStream) -> None:
+    """Undo :meth:`TalkerEngine._file_frame` of an audio frame (the last one the stream holds)."""
+    stream.pending.pop()
+    stream.pending_rms.pop()
+    stream.audio_frames -= 1
+    _segment(stream).frames -= 1
 
 
 def _talker_stream(stream: EngineStream) -> TalkerStream:

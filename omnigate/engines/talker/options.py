@@ -31,6 +31,9 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Launch each device step before filing the previous one's outputs (the host work overlaps the device's).
     # None: on for CUDA devices.
     overlap_steps: bool | None = None
+    # With overlap_steps, file the frames of the step on the device (frame counts, caps) before waiting for it,
+    # while it runs; an end-of-audio frame's filing is undone after the wait. False: filed after the wait.
+    file_ahead: bool = True
     # New text tokens one step prefills over all its starting units (a unit longer than this starts alone in its
     # step); more waits for the next step.
     prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 1024
