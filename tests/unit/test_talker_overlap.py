@@ -227,6 +227,15 @@ def test_an_aborted_stream_drops_its_frame_in_flight_and_its_slot_serves_a_new_s
             {"silence_dbfs": 100.0, "silence_s": 0.4},
             id="silence-and-abort",
         ),
+        pytest.param(  # the silence detector reads each frame's level, which comes after the wait
+            Script(
+                opens={0: 0, 1: 1},
+                texts={0: ["Spoken at a level."], 1: ["So is this."]},
+                max_audio_ms={0: 1600, 1: 1600},
+            ),
+            {"silence_s": 0.4},
+            id="frame-levels",
+        ),
     ],
 )
 def test_filing_ahead_of_the_wait_changes_no_frame_chunk_or_event(script: Script, options: dict[str, Any]) -> None:

@@ -14,9 +14,10 @@ for the device step the previous call launched, files only what the next plan de
 counts), plans and launches the next device step, and only then turns the previous step's frames into PCM chunks
 and events, while the device runs. Outputs therefore leave one call after the frame was launched; the frames, chunks
 and events of every stream are the same as without overlap. With ``file_ahead`` (the default) the filing too runs
-before the wait, while the device computes the frames filed: each as an audio frame, the end-of-audio ones corrected
-after the wait. Planning and launching the next step stay between the wait and the launch: they depend on which
-frames ended their segment.
+before the wait, while the device computes the frames filed: each as an audio frame whose PCM and level are copied
+after the next launch; between the wait and the launch only the rows whose frame ends their segment (the end-of-audio
+frame, a cap) are settled. Planning and launching the next step stay between the wait and the launch: they depend on
+which frames ended their segment.
 
 A stream never generates audio its credit cannot take: it advances only when its budget covers the frames it holds
 plus one more, and flushes what it holds when it cannot. One stream is one utterance; each text unit becomes a
@@ -297,9 +298,12 @@ class TalkerEngine(Engine):
             t3 = time.perf_counter()
             if collected is not None and deferred:
                 frames = _FrameViews(collected.pcm)
+                ended = collected.ended.tolist()
+                rms = collected.rms.tolist()
                 for stream, index, k in deferred:
-                    if not (stream.finished or stream.closed):
+                    if not (stream.finished or stream.closed or ended[k]):
                         stream.pending[index] = frames[k]
+                        stream.pending_rms[index] = rms[k]
             self._emit_audio(batch, budget_ms, endings)
         for row, reason in endings.items():
             self._end_segment(batch[row], reason)
@@ -320,19 +324,25 @@ class TalkerEngine(Engine):
         self, flight: _InFlight, batch: list[TalkerStream]
     ) -> tuple[StepResult, list[tuple[TalkerStream, int, int]]]:
         """Wait for the device step the previous call launched and file what the next plan depends on. Returns its
-        result and the frames whose PCM is still to be copied into their stream's held frames, as (stream, index in
-        its held frames, row of the result): copied after the next launch, all rows in one pass, from the other host
-        buffer than the one the next step writes."""
+        result and the frames whose PCM and RMS are still to be copied into their stream's held frames, as (stream,
+        index in its held frames, row of the result): copied after the next launch, all rows in one pass, from the
+        other host buffer than the one the next step writes (an end-of-audio row among them is skipped there)."""
         rows = {id(stream): row for row, stream in enumerate(batch)}
-        filed = self._file_ahead(flight, rows) if self.file_ahead else {}
-        result = self._wait_for(flight.buffer)
+        if self.file_ahead:
+            filed, deferred, settle = self._file_ahead(flight, rows)
+            result = self._wait_for(flight.buffer)
+            # Only the rows whose frame ends their segment, and those outside this call, are filed before the plan.
+            order: Sequence[int] = sorted({*settle, *np.flatnonzero(result.ended).tolist()})
+        else:
+            filed, deferred = {}, []
+            result = self._wait_for(flight.buffer)
+            order = range(len(flight.streams))
         ended = result.ended.tolist()
         rms = result.rms.tolist()
-        deferred: list[tuple[TalkerStream, int, int]] = []
-        for k, stream in enumerate(flight.streams):
+        for k in order:
+            stream = flight.streams[k]
             stream.in_flight = False
-            row = rows.get(id(stream))
-            if row is None:
+            if id(stream) not in rows:
                 # Not in this call (the batch was full): close() may run meanwhile, so file it whole, under the lock.
                 with self._slot_lock:
                     if not (stream.closed or stream.finished):
@@ -346,25 +356,40 @@ class TalkerEngine(Engine):
                 _unfile_frame(stream)  # not audio: the frame filed ahead as audio ends the segment instead
                 ending = "completed"
             else:
-                stream.pending_rms[-1] = rms[k]
                 ending = filed[k]
             if ending is None:
                 deferred.append((stream, len(stream.pending) - 1, k))
                 continue
             if not ended[k]:
                 stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
+                stream.pending_rms[-1] = rms[k]
             self._file_ending(stream, ending)
         return result, deferred
 
-    def _file_ahead(self, flight: _InFlight, rows: dict[int, int]) -> dict[int, StopReason | None]:
-        """File the frames still on the device of this call's streams as audio frames (placeholders; RMS and PCM
-        come after the wait), while the device computes them: what each filing returned, by row of the flight. The
-        wait then only corrects the rows whose frame was the end-of-audio frame."""
+    def _file_ahead(
+        self, flight: _InFlight, rows: dict[int, int]
+    ) -> tuple[dict[int, StopReason | None], list[tuple[TalkerStream, int, int]], list[int]]:
+        """File the frames still on the device of this call's streams as audio frames (placeholders for their PCM
+        and RMS), while the device computes them. Returns what each filing returned, by row of the flight; the
+        frames to copy after the next launch (as :meth:`_collect`); and the rows to settle after the wait: those
+        whose filing ends their segment (a cap) and those outside this call. Rows whose frame turns out to be the
+        end-of-audio frame are settled too."""
         filed: dict[int, StopReason | None] = {}
+        deferred: list[tuple[TalkerStream, int, int]] = []
+        settle: list[int] = []
         for k, stream in enumerate(flight.streams):
-            if id(stream) in rows and not (stream.closed or stream.finished):
-                filed[k] = self._file_frame(stream, False, None, 0.0)
-        return filed
+            if id(stream) not in rows:
+                settle.append(k)
+                continue
+            stream.in_flight = False  # the pool reads it only between steps, when the frame is filed
+            if stream.closed or stream.finished:
+                continue
+            ending = filed[k] = self._file_frame(stream, False, None, 0.0)
+            if ending is None:
+                deferred.append((stream, len(stream.pending) - 1, k))
+            else:
+                settle.append(k)
+        return filed, deferred, settle
 
     def _wait_for(self, buffer: int) -> StepResult:
         """The device step's result, the time waited for it counted as the step's device wait."""
