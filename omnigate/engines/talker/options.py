@@ -34,6 +34,9 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # With overlap_steps, file the frames of the step on the device (frame counts, caps) before waiting for it,
     # while it runs; an end-of-audio frame's filing is undone after the wait. False: filed after the wait.
     file_ahead: bool = True
+    # With file_ahead, also plan the next step before the wait for the rows the frames on the device cannot change
+    # (those keeping their segment); the rest are planned after it, as before. False: the whole plan after the wait.
+    plan_ahead: bool = True
     # New text tokens one step prefills over all its starting units (a unit longer than this starts alone in its
     # step); more waits for the next step.
     prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 1024
