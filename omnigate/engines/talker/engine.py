@@ -288,6 +288,8 @@ class TalkerEngine(Engine):
         stages = self._stages
         t0 = time.perf_counter()
         batch = [_talker_stream(s) for s in streams]
+        if len(budget_ms) != len(batch):
+            raise ValueError(f"{len(budget_ms)} budgets for {len(batch)} streams")
         with torch.no_grad():
             flight, self._in_flight = self._in_flight, None
             ahead = None
