@@ -7,6 +7,7 @@ where a test must know what a scheduler thread is doing, the engine itself signa
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -25,7 +26,16 @@ from omnigate.engines.base import (
     SynthesisParams,
 )
 from omnigate.engines.pool import EnginePool, PoolFull, PoolStream
-from omnigate.engines.remote.protocol import Opened, Refused, ReserveSession, decode_stream_message, encode
+from omnigate.engines.remote import replica
+from omnigate.engines.remote.protocol import (
+    ControlBatch,
+    Opened,
+    Refused,
+    ReserveSession,
+    decode_report,
+    decode_stream_message,
+    encode,
+)
 from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.synthetic import SyntheticConfig, SyntheticEngine
 from tests.engine_outputs import TIMEOUT_S, Collector
@@ -308,4 +318,32 @@ async def test_the_core_refuses_a_session_without_counting_its_room_under_the_po
         assert core.pool.admission.refused_total == 1
         await first.aclose()
     finally:
+        await asyncio.to_thread(core.shutdown)
+
+
+async def test_the_cores_control_replies_count_the_free_slots_once_between_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every control reply to every gateway carries the free slots; counting them scans every stream under the pool's
+    # lock. Between engine steps, and while admission carries the same, one count serves them all.
+    monkeypatch.setattr(replica, "FREE_COUNT_MAX_AGE_S", math.inf)  # the age limit out of the way: deterministic
+    core = ReplicaCore(SyntheticEngine(SyntheticConfig(max_sessions=8)), "core", admission=AdmissionSettings())
+    counted = 0
+    scan = core.pool._slack_locked
+
+    def counting(now: float) -> float | None:
+        nonlocal counted
+        counted += 1
+        return scan(now)
+
+    monkeypatch.setattr(core.pool, "_slack_locked", counting)
+    held = core.stream(encode(ReserveSession("place", "gateway")))
+    try:
+        batch = encode(ControlBatch("gateway", []))
+        reports = [decode_report(await core.control(batch)) for _ in range(3)]
+        assert [report.free_slots for report in reports] == [8, 8, 8] and counted == 1
+        assert isinstance(decode_stream_message(await anext(held)), Opened)  # a session holds a place now
+        assert decode_report(await core.control(batch)).free_slots == 7  # counted again: admission carries more
+    finally:
+        await held.aclose()
         await asyncio.to_thread(core.shutdown)
