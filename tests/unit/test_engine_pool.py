@@ -7,6 +7,7 @@ where a test must know what a scheduler thread is doing, the engine itself signa
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -25,6 +26,17 @@ from omnigate.engines.base import (
     SynthesisParams,
 )
 from omnigate.engines.pool import EnginePool, PoolFull, PoolStream
+from omnigate.engines.remote import replica
+from omnigate.engines.remote.protocol import (
+    ControlBatch,
+    Opened,
+    Refused,
+    ReserveSession,
+    decode_report,
+    decode_stream_message,
+    encode,
+)
+from omnigate.engines.remote.replica import ReplicaCore
 from omnigate.engines.synthetic import SyntheticConfig, SyntheticEngine
 from tests.engine_outputs import TIMEOUT_S, Collector
 
@@ -284,3 +296,54 @@ def test_a_place_refused_by_its_cost_is_refused_without_scanning_the_streams(
     with pytest.raises(PoolFull):
         pool.reserve()
     assert pool.admission.refused_total == 1
+
+
+async def test_the_core_refuses_a_session_without_counting_its_room_under_the_pools_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under overload the core's event loop answers thousands of refusals a second; the stepping thread needs the
+    # pool's lock before and after each step, so a refusal must not scan every stream under it.
+    core = ReplicaCore(SyntheticEngine(SyntheticConfig(max_sessions=8)), "core", admission=AdmissionSettings())
+    try:
+        core.pool.admission.observe_step(0.0, 10.0, 1000.0)  # ten worker seconds per second of audio
+        first = core.stream(encode(ReserveSession("first", "gateway")))
+        assert isinstance(decode_stream_message(await anext(first)), Opened)  # an idle pool takes one session
+
+        def scan(now: float) -> float | None:
+            raise AssertionError("every stream was scanned to answer a refusal")
+
+        monkeypatch.setattr(core.pool, "_slack_locked", scan)
+        refused = decode_stream_message(await anext(core.stream(encode(ReserveSession("second", "gateway")))))
+        assert isinstance(refused, Refused) and refused.code == "engine_busy" and refused.free_slots == 0
+        assert core.pool.admission.refused_total == 1
+        await first.aclose()
+    finally:
+        await asyncio.to_thread(core.shutdown)
+
+
+async def test_the_cores_control_replies_count_the_free_slots_once_between_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every control reply to every gateway carries the free slots; counting them scans every stream under the pool's
+    # lock. Between engine steps, and while admission carries the same, one count serves them all.
+    monkeypatch.setattr(replica, "FREE_COUNT_MAX_AGE_S", math.inf)  # the age limit out of the way: deterministic
+    core = ReplicaCore(SyntheticEngine(SyntheticConfig(max_sessions=8)), "core", admission=AdmissionSettings())
+    counted = 0
+    scan = core.pool._slack_locked
+
+    def counting(now: float) -> float | None:
+        nonlocal counted
+        counted += 1
+        return scan(now)
+
+    monkeypatch.setattr(core.pool, "_slack_locked", counting)
+    held = core.stream(encode(ReserveSession("place", "gateway")))
+    try:
+        batch = encode(ControlBatch("gateway", []))
+        reports = [decode_report(await core.control(batch)) for _ in range(3)]
+        assert [report.free_slots for report in reports] == [8, 8, 8] and counted == 1
+        assert isinstance(decode_stream_message(await anext(held)), Opened)  # a session holds a place now
+        assert decode_report(await core.control(batch)).free_slots == 7  # counted again: admission carries more
+    finally:
+        await held.aclose()
+        await asyncio.to_thread(core.shutdown)

@@ -409,6 +409,37 @@ def test_prefill_graphs_match_the_eager_prefill_and_leave_other_slots_alone() ->
     assert frames.cache.length(0) == 5 and frames.cache.length(2) == 7 + 11
 
 
+def test_bucketed_prefills_of_every_size_equal_the_eager_prefill_and_leave_other_slots_alone() -> None:
+    # The graphs' twin on the CPU: the same buckets, padding rows on the scratch slot and pieces, run eagerly.
+    frames = make_engine().frames
+    bucketed = frames.capture_prefill(24, capture=False)
+    assert bucketed.buckets == [16, 24]
+    history = list(range(3, 10))
+    for tokens in range(1, 61):  # one bucket, the other, and prefills of two and three pieces
+        share = tokens // 3
+        sizes = [size for size in (share, tokens - 2 * share, share) if size]
+        slots = [0, 1, 2][: len(sizes)]
+        units = [[CLOSING, *(5 + (7 * k + j) % 90 for j in range(size - 1))] for k, size in enumerate(sizes)]
+        results = []
+        for graphs in (None, bucketed):
+            frames.prefill_graphs = graphs
+            for slot in range(4):
+                frames.cache.reset(slot)
+            frames.cache.keys.zero_()
+            frames.cache.values.zero_()
+            frames.prefill_ids([1], [history])  # slot 1 has context; the others start empty
+            out = frames.prefill_ids(slots, units)
+            lengths = [len(unit) + 7 * (slot == 1) for slot, unit in zip(slots, units, strict=True)]
+            assert [frames.cache.length(slot) for slot in slots] == lengths
+            streams = slice(0, frames.cache.scratch)  # every slot but the scratch one the padding rows write
+            results.append((out, frames.cache.keys[:, streams].clone(), frames.cache.values[:, streams].clone()))
+        (eager, eager_keys, eager_values), (graph, graph_keys, graph_values) = results
+        assert graph.shape == (len(slots), eager.shape[1])
+        torch.testing.assert_close(graph, eager, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(graph_keys, eager_keys, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(graph_values, eager_values, rtol=1e-9, atol=1e-9)
+
+
 def test_prefill_from_ids_equals_the_prefill_of_their_embeddings() -> None:
     frames = make_engine().frames
     ids = [7, 8, 9, 10]

@@ -49,6 +49,7 @@ class Client:
     stream: TalkerStream
     credit: float
     received: list[EngineOutput] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # the step each output came from
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def simulate(engine: TalkerEngine, script: Script) -> dict[int, Client]:
                 assert spent <= clients[k].credit  # never more audio than the consumer has room for
                 clients[k].credit -= spent
                 clients[k].received.extend(out)
+                clients[k].steps.extend([step] * len(out))
         for client in clients.values():
             client.credit += script.grant_ms
         step += 1
@@ -192,6 +194,85 @@ def test_an_aborted_stream_drops_its_frame_in_flight_and_its_slot_serves_a_new_s
     assert cut and audio_by_segment(waited[1].received)[0].startswith(cut)
     assert not any(isinstance(o, StreamDone) for o in overlapped[1].received)
     assert engine.free_slots == 2
+
+
+@pytest.mark.parametrize(
+    ("script", "options"),
+    [
+        pytest.param(  # end-of-audio frames end units and streams: the filings ahead are undone
+            Script(
+                opens={0: 0, 1: 1, 2: 1},
+                texts={0: ["One.", "Two.", "Three."], 1: ["Another one.", "And more."], 2: ["Short."]},
+                max_audio_ms={0: 4000, 1: 4000, 2: 4000},
+            ),
+            {"eos_bias": 9.0},
+            id="end-of-audio",
+        ),
+        pytest.param(  # units ended by end-of-audio frames start again as room in the prefill budget allows
+            Script(
+                opens={k: 0 for k in range(4)},
+                texts={k: [f"Unit {k}.", f"Next {k}.", f"Last {k}."] for k in range(4)},
+                max_audio_ms={k: 4000 for k in range(4)},
+            ),
+            {"eos_bias": 6.0, "prefill_tokens_per_step": 12},
+            id="end-of-audio-and-prefill-room",
+        ),
+        pytest.param(  # unit and utterance caps reached by frames filed ahead, in batches that leave rows out;
+            Script(
+                opens={k: k for k in range(6)},
+                texts={k: [f"Stream {k} speaks.", "Again."] for k in range(6)},
+                max_audio_ms={k: 480 + 80 * k for k in range(6)},
+                grant_ms=100.0,
+                initial_ms=250.0,
+            ),
+            # a prefill budget that holds about one unit: units wait for room, in row order
+            {
+                "max_sessions": 6,
+                "max_batch": 4,
+                "silence_dbfs": -300.0,
+                "segment_ms_per_char": 40.0,
+                "prefill_tokens_per_step": 24,
+            },
+            id="caps-paced-credit-and-prefill-room",
+        ),
+        pytest.param(  # silence ends streams; a stream is aborted with a frame in flight
+            Script(
+                opens={0: 0, 1: 0, 2: 3},
+                texts={0: ["Quiet.", "Never said."], 1: ["Cut off."], 2: ["Also quiet."]},
+                max_audio_ms={0: 9000, 1: 9000, 2: 9000},
+                aborts={1: 2},
+            ),
+            {"silence_dbfs": 100.0, "silence_s": 0.4},
+            id="silence-and-abort",
+        ),
+        pytest.param(  # the silence detector reads each frame's level, which comes after the wait
+            Script(
+                opens={0: 0, 1: 1},
+                texts={0: ["Spoken at a level."], 1: ["So is this."]},
+                max_audio_ms={0: 1600, 1: 1600},
+            ),
+            {"silence_s": 0.4},
+            id="frame-levels",
+        ),
+    ],
+)
+def test_filing_and_planning_ahead_of_the_wait_change_no_frame_chunk_or_event(
+    script: Script, options: dict[str, Any]
+) -> None:
+    waited = simulate(make_engine(False, **options), script)
+    after = simulate(make_engine(True, file_ahead=False, **options), script)
+    filed_ahead = simulate(make_engine(True, plan_ahead=False, **options), script)
+    ahead = make_engine(True, **options)
+    assert ahead.file_ahead and ahead.plan_ahead
+    planned_ahead = simulate(ahead, script)
+    for k in script.opens:
+        # the same outputs from the same steps: nothing started, ended or left a step earlier or later
+        assert (filed_ahead[k].received, filed_ahead[k].steps) == (after[k].received, after[k].steps)
+        assert (planned_ahead[k].received, planned_ahead[k].steps) == (after[k].received, after[k].steps)
+        if k not in script.aborts:
+            assert after[k].received == waited[k].received
+            assert isinstance(waited[k].received[-1], StreamDone)
+    assert ahead.free_slots == ahead.options.max_sessions
 
 
 def test_first_audio_leaves_one_call_after_its_frame_is_launched() -> None:

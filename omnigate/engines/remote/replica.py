@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncGenerator
@@ -36,6 +37,7 @@ from omnigate.engines.step_stats import BusyWindow, StepCounts
 log = logging.getLogger(__name__)
 
 DRAIN_CUT = stream_failed("shutting_down", "the engine replica was drained; retry the utterance")
+FREE_COUNT_MAX_AGE_S = 0.02  # a step of a loaded engine or less
 LEASE_LOST = stream_failed("gateway_lost", "the gateway stopped renewing its streams")
 
 
@@ -98,6 +100,10 @@ class ReplicaCore:
         )
         self.pool.start()
         self.draining = False
+        # the last count of the pool's free slots, and the state it was counted in (see _free_slots)
+        self._counted_for: tuple[int, ...] = ()
+        self._counted_at = -math.inf
+        self._counted_free = 0
         self._streams: dict[str, _Served] = {}
         self._held: dict[str, _Held] = {}
         self._emptied: asyncio.Event | None = None
@@ -138,12 +144,13 @@ class ReplicaCore:
             yield self._refusal("shutting_down", "the engine replica is shutting down")
             return
         except EngineError as exc:
-            yield self._refusal(exc.code, exc.message)
+            # The engine's own refusal (a bad voice, a stalled engine): the pool may have room.
+            yield self._refusal(exc.code, exc.message, 0 if self.draining else self._free_slots())
             return
         served = _Served(ps, request.gateway, request.credit_limit_ms)
         self._streams[request.stream_id] = served
         try:
-            yield encode(Opened(self.replica, self.pool.free_slots))
+            yield encode(Opened(self.replica, self._free_slots()))
             self._apply(served, request.texts, request.tokens, request.input_done, request.credit_limit_ms)
             while True:
                 await served.wake.wait()
@@ -173,7 +180,7 @@ class ReplicaCore:
             return
         held = self._held[request.reservation_id] = _Held(ticket, request.gateway)
         try:
-            yield encode(Opened(self.replica, self.pool.free_slots))
+            yield encode(Opened(self.replica, self._free_slots()))
             await held.ended.wait()  # the gateway cancels the call when the session ends
         finally:
             self._held.pop(request.reservation_id, None)
@@ -241,7 +248,7 @@ class ReplicaCore:
     def report(self) -> ReplicaReport:
         return ReplicaReport(
             replica=self.replica,
-            free_slots=0 if self.draining else self.pool.free_slots,
+            free_slots=0 if self.draining else self._free_slots(),
             max_sessions=self.pool.info.max_sessions,
             active=len(self._streams),
             draining=self.draining,
@@ -300,6 +307,22 @@ class ReplicaCore:
             self.pool.grant(served.ps, credit_limit_ms - served.granted_ms)
             served.granted_ms = credit_limit_ms
 
-    def _refusal(self, code: str, message: str) -> bytes:
-        free = 0 if self.draining else self.pool.free_slots
-        return encode(Refused(self.replica, code, message, self.retry_after_s, free))
+    def _free_slots(self) -> int:
+        """The pool's free slots, counted again only after an engine step, a change in what admission carries, or
+        :data:`FREE_COUNT_MAX_AGE_S` (what admission decides also changes with time): the count takes the pool's
+        lock, which the stepping thread needs, and scans every stream (about a millisecond at a thousand), and every
+        control reply to every gateway carries it."""
+        admission = self.pool.admission
+        now = time.monotonic()
+        key = (self.pool.steps, admission.active, admission.held, admission.young)
+        if key != self._counted_for or now - self._counted_at > FREE_COUNT_MAX_AGE_S:
+            self._counted_for = key
+            self._counted_at = now
+            self._counted_free = self.pool.free_slots
+        return self._counted_free
+
+    def _refusal(self, code: str, message: str, free_slots: int = 0) -> bytes:
+        """A ``Refused`` message. A refusal by the pool (no room, draining, closed) reports no free slot without
+        counting them: the count takes the pool's lock, which the stepping thread needs before and after every step,
+        and scans every stream, and under overload the core answers thousands of refusals a second."""
+        return encode(Refused(self.replica, code, message, self.retry_after_s, free_slots))

@@ -13,7 +13,13 @@ With ``overlap_steps`` (the default on CUDA) a step's device work overlaps the h
 for the device step the previous call launched, files only what the next plan depends on (end-of-audio flags, frame
 counts), plans and launches the next device step, and only then turns the previous step's frames into PCM chunks
 and events, while the device runs. Outputs therefore leave one call after the frame was launched; the frames, chunks
-and events of every stream are the same as without overlap.
+and events of every stream are the same as without overlap. With ``file_ahead`` (the default) the filing too runs
+before the wait, while the device computes the frames filed: each as an audio frame whose PCM and level are copied
+after the next launch; between the wait and the launch only the rows whose frame ends their segment (the end-of-audio
+frame, a cap) are settled. With ``plan_ahead`` (the default) the next step is planned before the wait too, for every
+row whose plan the frames on the device cannot change; the rows settled after the wait, and those starting a unit
+(in row order, from the prefill budget), are planned after it. What stays between the wait and the launch: settling
+the rows whose segment ended, their plan, the prefill and the launch itself.
 
 A stream never generates audio its credit cannot take: it advances only when its budget covers the frames it holds
 plus one more, and flushes what it holds when it cannot. One stream is one utterance; each text unit becomes a
@@ -28,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -111,8 +117,17 @@ class TalkerEngine(Engine):
         )
         graphs = options.cuda_graphs and self.frames.device.type == "cuda"
         self.device_step = FrameStep(self.frames, self.codec, max_batch=options.max_batch, graphs=graphs)
-        if graphs and options.prefill_graph_tokens:
-            self.frames.capture_prefill(min(options.prefill_graph_tokens, capacity))
+        graph_tokens = prefill_graph_tokens(options)
+        if graphs and graph_tokens:
+            prefills = self.frames.capture_prefill(graph_tokens)
+            log.info(
+                "talker prefill graphs: %d sizes up to %d tokens (step budget %d), %.0f MiB, captured in %.1f s",
+                len(prefills.buckets),
+                graph_tokens,
+                options.prefill_tokens_per_step,
+                prefills.pool_bytes / 2**20,
+                prefills.capture_s,
+            )
         # Step time by batch size, for admission to price rows with before any session stepped. A GPU's only: a CPU
         # step shares its cores with the rest of the machine, and one measurement at load would price every later
         # admission by whatever else ran then (CPU engines are priced by the steps they run, as before).
@@ -132,6 +147,8 @@ class TalkerEngine(Engine):
         self.overlap_steps = (
             options.overlap_steps if options.overlap_steps is not None else self.frames.device.type == "cuda"
         )
+        self.file_ahead = self.overlap_steps and options.file_ahead
+        self.plan_ahead = self.file_ahead and options.plan_ahead
         self._in_flight: _InFlight | None = None
         # seconds of the steps by stage (see stage_seconds); written by the stepping thread only
         self._stages = dict.fromkeys(STAGES, 0.0)
@@ -275,22 +292,31 @@ class TalkerEngine(Engine):
         stages = self._stages
         t0 = time.perf_counter()
         batch = [_talker_stream(s) for s in streams]
+        if len(budget_ms) != len(batch):
+            raise ValueError(f"{len(budget_ms)} budgets for {len(batch)} streams")
         with torch.no_grad():
             flight, self._in_flight = self._in_flight, None
-            collected, deferred = (None, []) if flight is None else self._collect(flight, batch)
+            ahead = None
+            collected: StepResult | None = None
+            deferred: list[tuple[TalkerStream, int, int]] = []
+            if flight is not None:
+                collected, deferred, ahead = self._collect(flight, batch, budget_ms)
             t1 = time.perf_counter()
             waited_collect = self._waited_s
             endings: dict[int, StopReason] = {}
-            advancing, starting = self._plan(batch, budget_ms, endings)
+            advancing, starting = self._plan(batch, budget_ms, endings, ahead)
             t2 = time.perf_counter()
             if advancing or starting:
                 self._generate(batch, advancing, starting, endings)
             t3 = time.perf_counter()
             if collected is not None and deferred:
                 frames = _FrameViews(collected.pcm)
+                ended = collected.ended.tolist()
+                rms = collected.rms.tolist()
                 for stream, index, k in deferred:
-                    if not (stream.finished or stream.closed):
+                    if not (stream.finished or stream.closed or ended[k]):
                         stream.pending[index] = frames[k]
+                        stream.pending_rms[index] = rms[k]
             self._emit_audio(batch, budget_ms, endings)
         for row, reason in endings.items():
             self._end_segment(batch[row], reason)
@@ -299,8 +325,9 @@ class TalkerEngine(Engine):
             outputs.append(stream.outbox)
             stream.outbox = []
         t4 = time.perf_counter()
-        stages["file"] += t1 - t0 - waited_collect
-        stages["plan"] += t2 - t1
+        planned_ahead_s = 0.0 if ahead is None else ahead.seconds
+        stages["file"] += t1 - t0 - waited_collect - planned_ahead_s
+        stages["plan"] += t2 - t1 + planned_ahead_s
         stages["launch"] += t3 - t2 - (self._waited_s - waited_collect)
         stages["emit"] += t4 - t3
         stages["device_wait"] += self._waited_s
@@ -308,18 +335,30 @@ class TalkerEngine(Engine):
         return outputs
 
     def _collect(
-        self, flight: _InFlight, batch: list[TalkerStream]
-    ) -> tuple[StepResult, list[tuple[TalkerStream, int, int]]]:
+        self, flight: _InFlight, batch: list[TalkerStream], budget_ms: Sequence[float]
+    ) -> tuple[StepResult, list[tuple[TalkerStream, int, int]], _AheadPlan | None]:
         """Wait for the device step the previous call launched and file what the next plan depends on. Returns its
-        result and the frames whose PCM is still to be copied into their stream's held frames, as (stream, index in
-        its held frames, row of the result): copied after the next launch, all rows in one pass, from the other host
-        buffer than the one the next step writes."""
-        result = self._wait_for(flight.buffer)
+        result; the frames whose PCM and RMS are still to be copied into their stream's held frames, as (stream,
+        index in its held frames, row of the result): copied after the next launch, all rows in one pass, from the
+        other host buffer than the one the next step writes (an end-of-audio row among them is skipped there); and
+        the plan made while the device computed, if one was (:meth:`_plan_ahead`)."""
         rows = {id(stream): row for row, stream in enumerate(batch)}
+        ahead = None
+        if self.file_ahead:
+            filed, deferred, settle = self._file_ahead(flight, rows)
+            if self.plan_ahead:
+                ahead = self._plan_ahead(batch, budget_ms, {rows[id(flight.streams[k])] for k in settle if k in filed})
+            result = self._wait_for(flight.buffer)
+            # Only the rows whose frame ends their segment, and those outside this call, are filed before the plan.
+            order: Sequence[int] = sorted({*settle, *np.flatnonzero(result.ended).tolist()})
+        else:
+            filed, deferred = {}, []
+            result = self._wait_for(flight.buffer)
+            order = range(len(flight.streams))
         ended = result.ended.tolist()
         rms = result.rms.tolist()
-        deferred: list[tuple[TalkerStream, int, int]] = []
-        for k, stream in enumerate(flight.streams):
+        for k in order:
+            stream = flight.streams[k]
             stream.in_flight = False
             row = rows.get(id(stream))
             if row is None:
@@ -330,14 +369,48 @@ class TalkerEngine(Engine):
                 continue
             if stream.closed or stream.finished:
                 continue  # aborted, or finished by silence after this frame was launched: the frame is dropped
-            ending = self._file_frame(stream, ended[k], None, rms[k])
+            if ahead is not None:
+                ahead.settled.add(row)
+            if k not in filed:
+                ending = self._file_frame(stream, ended[k], None, rms[k])
+            elif ended[k]:
+                _unfile_frame(stream)  # not audio: the frame filed ahead as audio ends the segment instead
+                ending = "completed"
+            else:
+                ending = filed[k]
             if ending is None:
                 deferred.append((stream, len(stream.pending) - 1, k))
                 continue
             if not ended[k]:
                 stream.pending[-1] = _le_bytes(result.pcm[k])  # the frame is sent now, with the segment's end
+                stream.pending_rms[-1] = rms[k]
             self._file_ending(stream, ending)
-        return result, deferred
+        return result, deferred, ahead
+
+    def _file_ahead(
+        self, flight: _InFlight, rows: dict[int, int]
+    ) -> tuple[dict[int, StopReason | None], list[tuple[TalkerStream, int, int]], list[int]]:
+        """File the frames still on the device of this call's streams as audio frames (placeholders for their PCM
+        and RMS), while the device computes them. Returns what each filing returned, by row of the flight; the
+        frames to copy after the next launch (as :meth:`_collect`); and the rows to settle after the wait: those
+        whose filing ends their segment (a cap) and those outside this call. Rows whose frame turns out to be the
+        end-of-audio frame are settled too."""
+        filed: dict[int, StopReason | None] = {}
+        deferred: list[tuple[TalkerStream, int, int]] = []
+        settle: list[int] = []
+        for k, stream in enumerate(flight.streams):
+            if id(stream) not in rows:
+                settle.append(k)
+                continue
+            stream.in_flight = False  # the pool reads it only between steps, when the frame is filed
+            if stream.closed or stream.finished:
+                continue
+            ending = filed[k] = self._file_frame(stream, False, None, 0.0)
+            if ending is None:
+                deferred.append((stream, len(stream.pending) - 1, k))
+            else:
+                settle.append(k)
+        return filed, deferred, settle
 
     def _wait_for(self, buffer: int) -> StepResult:
         """The device step's result, the time waited for it counted as the step's device wait."""
@@ -353,14 +426,45 @@ class TalkerEngine(Engine):
         self._emit(stream, None, ending=True)
         self._end_segment(stream, ending)
 
+    def _plan_ahead(self, batch: list[TalkerStream], budget_ms: Sequence[float], settling: set[int]) -> _AheadPlan:
+        """Plan, while the device still computes the frames filed ahead, the rows whose plan those frames cannot
+        change: a row keeps its segment unless its frame turns out to end it, and then it is planned again after the
+        wait (as are ``settling``, whose filing ends their segment, and rows without a segment: they start a unit,
+        in row order, from the prefill budget)."""
+        started = time.perf_counter()
+        ahead = _AheadPlan()
+        for row, (stream, budget) in enumerate(zip(batch, budget_ms, strict=True)):
+            if stream.finished or stream.closed:
+                continue
+            if stream.segment is None or row in settling:
+                ahead.rest.append(row)
+            elif budget >= (len(stream.pending) + 1) * self.frame_ms:
+                if self.frames.cache.length(_slot(stream)) >= self.frames.cache.capacity:
+                    ahead.endings[row] = "max_duration"
+                else:
+                    ahead.advancing.append(row)
+        ahead.seconds = time.perf_counter() - started
+        return ahead
+
     def _plan(
-        self, batch: list[TalkerStream], budget_ms: Sequence[float], endings: dict[int, StopReason]
+        self,
+        batch: list[TalkerStream],
+        budget_ms: Sequence[float],
+        endings: dict[int, StopReason],
+        ahead: _AheadPlan | None = None,
     ) -> tuple[list[int], list[tuple[int, _PrefillUnit]]]:
-        """Rows that advance one frame, and rows that start a unit this step with what they prefill."""
+        """Rows that advance one frame, and rows that start a unit this step with what they prefill (with ``ahead``:
+        its decisions, and the rows it left or whose frame settled after it, planned now)."""
         advancing: list[int] = []
         starting: list[tuple[int, _PrefillUnit]] = []
         prefill_tokens = 0
-        for row, (stream, budget) in enumerate(zip(batch, budget_ms, strict=True)):
+        rows: Sequence[int] = range(len(batch))
+        if ahead is not None:
+            settled = ahead.settled
+            endings.update((row, end) for row, end in ahead.endings.items() if row not in settled)
+            rows = sorted({*ahead.rest, *settled})
+        for row in rows:
+            stream, budget = batch[row], budget_ms[row]
             if stream.finished or stream.closed:
                 continue
             if stream.segment is None:
@@ -374,6 +478,10 @@ class TalkerEngine(Engine):
                     endings[row] = "max_duration"  # the context window is full: nothing more can follow
                 else:
                     advancing.append(row)
+        if ahead is not None:
+            settled = ahead.settled
+            kept = [row for row in ahead.advancing if row not in settled] if settled else ahead.advancing
+            advancing = sorted([*kept, *advancing]) if advancing else kept
         return advancing, starting
 
     def _start_segment(self, stream: TalkerStream, budget: float, room: int | None) -> _PrefillUnit | None:
@@ -563,6 +671,18 @@ class _InFlight:
     streams: list[TalkerStream]
 
 
+@dataclass
+class _AheadPlan:
+    """A step's plan made before the wait (:meth:`TalkerEngine._plan_ahead`): rows that advance, rows whose context
+    is full, rows left to plan after the wait, and the rows settled after the wait (their decisions void)."""
+
+    advancing: list[int] = field(default_factory=list)
+    endings: dict[int, StopReason] = field(default_factory=dict)
+    rest: list[int] = field(default_factory=list)
+    settled: set[int] = field(default_factory=set)
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class _PrefillUnit:
     """What a starting text unit adds to its stream's context: reference audio embeddings (the first unit of a
@@ -576,10 +696,26 @@ class _PrefillUnit:
         return (0 if self.context is None else int(self.context.shape[0])) + len(self.tokens)
 
 
+def prefill_graph_tokens(options: TalkerOptions) -> int:
+    """Token counts up to which the prefill graphs are captured (0: none): by default the per-step prefill budget,
+    so that every step's prefill replays one graph (a lone unit longer than the budget replays them in pieces)."""
+    if options.prefill_graph_tokens is None:
+        return options.prefill_tokens_per_step
+    return options.prefill_graph_tokens
+
+
 def _profile_sizes(max_batch: int) -> list[int]:
     """Batch sizes whose step time is measured at load: powers of two below ``max_batch``, and ``max_batch``."""
     sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
     return [*sizes, max_batch]
+
+
+def _unfile_frame(stream: TalkerStream) -> None:
+    """Undo :meth:`TalkerEngine._file_frame` of an audio frame (the last one the stream holds)."""
+    stream.pending.pop()
+    stream.pending_rms.pop()
+    stream.audio_frames -= 1
+    _segment(stream).frames -= 1
 
 
 def _talker_stream(stream: EngineStream) -> TalkerStream:

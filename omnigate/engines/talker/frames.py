@@ -4,7 +4,7 @@ The backbone reads a sequence of text-token and audio-frame embeddings and predi
 from its last hidden state; the depth decoder then predicts codebooks 1..N-1 one after another, starting from that
 hidden state and codebook 0. Both run batched over all streams of a step. :meth:`FrameModel.decode` and
 :meth:`FrameModel.generate` read nothing from the host and use fixed-size index tensors, so a whole step can be
-captured in a CUDA graph; :meth:`FrameModel.prefill_ids` plans on the host, then runs from a graph bucketed by token
+captured in a CUDA graph; :meth:`FrameModel.prefill_ids` plans on the host, then runs from graphs bucketed by token
 count once :meth:`FrameModel.capture_prefill` has run (eagerly otherwise, as :meth:`FrameModel.prefill` always does).
 """
 
@@ -111,29 +111,36 @@ class FrameModel:
         x = self._backbone(self.embed_ids(ids).to(self.dtype), slots, positions)
         return self.backbone.norm(x.index_select(0, last))
 
-    def capture_prefill(self, max_tokens: int) -> None:
-        """Capture :meth:`prefill_ids` as CUDA graphs for up to ``max_tokens`` tokens (larger prefills run
-        eagerly)."""
-        self.prefill_graphs = PrefillGraphs(
-            self._prefill_ids, scratch_slot=self.cache.scratch, max_tokens=max_tokens, device=self.device
+    def capture_prefill(self, max_tokens: int, *, capture: bool = True) -> PrefillGraphs:
+        """Capture :meth:`prefill_ids` as CUDA graphs for up to ``max_tokens`` tokens (larger prefills replay them
+        piece by piece). ``capture=False``: the same bucketing and padding, run eagerly (on any device)."""
+        graphs = self.prefill_graphs = PrefillGraphs(
+            self._prefill_ids,
+            scratch_slot=self.cache.scratch,
+            max_tokens=max_tokens,
+            device=self.device,
+            capture=capture,
         )
+        if not capture:
+            return graphs
         # Triton compiles a kernel variant per kind of size (1, a multiple of 16, any other); the graphs only saw
-        # multiples of 16. Compile the others now, on the scratch slot, so that the first prefill too large for the
-        # graphs does not stall every stream while its kernels compile.
+        # multiples of 16. Compile the others now, on the scratch slot, so that the first eager prefill (reference
+        # audio) does not stall every stream while its kernels compile.
         with torch.no_grad():
             for tokens in (1, MIN_BUCKET + 1):
                 index = torch.zeros(tokens, dtype=torch.int64, device=self.device)
                 self._prefill_ids(index, index + self.cache.scratch, index, index[:1])
+        return graphs
 
     @torch.no_grad()
     def prefill_ids(self, slots: Sequence[int], unit_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append the tokens ``unit_ids[i]`` (text ids or :data:`CLOSING`) to ``slots[i]``'s context; returns each
-        slot's last hidden state after the final norm, ``[len(slots), hidden]``. From a captured graph when one
-        holds them."""
+        slot's last hidden state after the final norm, ``[len(slots), hidden]``. From the captured graphs once
+        :meth:`capture_prefill` ran."""
         counts = [len(ids) for ids in unit_ids]
         flat = [token for ids in unit_ids for token in ids]
         graphs = self.prefill_graphs
-        if graphs is None or not graphs.fits(len(flat)):
+        if graphs is None or not flat:
             return self.prefill_flat(slots, counts, self.embed_ids(torch.tensor(flat, device=self.device)))
         rows, positions, last = self.cache.plan_rows(slots, counts)
         hidden = graphs.run(flat, rows, positions, last)

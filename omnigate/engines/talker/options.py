@@ -31,10 +31,20 @@ class TalkerOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Launch each device step before filing the previous one's outputs (the host work overlaps the device's).
     # None: on for CUDA devices.
     overlap_steps: bool | None = None
-    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more new text waits for the next step
-    # With CUDA graphs, prefills of up to this many tokens replay a captured graph; larger ones (reference audio, a
-    # raised per-step budget) run eagerly. 0: every prefill runs eagerly.
-    prefill_graph_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 1024
+    # With overlap_steps, file the frames of the step on the device (frame counts, caps) before waiting for it,
+    # while it runs; an end-of-audio frame's filing is undone after the wait. False: filed after the wait.
+    file_ahead: bool = True
+    # With file_ahead, also plan the next step before the wait for the rows the frames on the device cannot change
+    # (those keeping their segment); the rest are planned after it, as before. False: the whole plan after the wait.
+    plan_ahead: bool = True
+    # New text tokens one step prefills over all its starting units (a unit longer than this starts alone in its
+    # step); more waits for the next step.
+    prefill_tokens_per_step: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 1024
+    # With CUDA graphs, the prefill graphs are captured for every token count up to this, whatever a stream's
+    # context window (a step's tokens span many streams); a larger prefill replays them piece by piece. None: the
+    # per-step budget, so every step's prefill replays one graph. 0: prefills run eagerly. Their memory grows
+    # linearly with it (see omnigate.engines.talker.prefill_graphs; the load log says what the capture took).
+    prefill_graph_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.9  # 0: greedy
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 50  # 0: no top-k
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0  # 1: no top-p
