@@ -52,7 +52,7 @@ class Engine:
         self.credit: list[int | None] = []
         self.asked_event = asyncio.Event()
 
-    def encode_audio(self, pcm: bytes) -> Any:
+    async def encode_audio(self, pcm: bytes) -> Any:
         self.encoded.append(pcm)
         return f"tokens of {len(pcm)} bytes"
 
