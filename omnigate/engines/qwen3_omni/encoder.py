@@ -26,6 +26,7 @@ from transformers import WhisperFeatureExtractor
 
 from omnigate.codecs.resample import StreamResampler
 from omnigate.engines.base import EngineError
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.qwen3_omni.model import Qwen3OmniModel
 
 log = logging.getLogger(__name__)
@@ -34,21 +35,6 @@ ENCODER_RATE = 16_000  # the audio encoder's log-mel features are of 16 kHz audi
 # What one call takes at most (a larger request still goes, alone): bounds the encoders' activations.
 MAX_CALL_FRAMES = 64
 MAX_CALL_AUDIO_S = 300.0
-
-
-@dataclass
-class EncoderStats:
-    """What the encoder's thread did since it started: calls of each encoder and the requests they carried (a
-    request's frames, a turn's audio); per call = items over calls."""
-
-    frame_calls: int = 0
-    frames: int = 0
-    frame_requests: int = 0
-    largest_frame_call: int = 0
-    audio_calls: int = 0
-    audio_items: int = 0
-    largest_audio_call: int = 0
-    failed_calls: int = 0
 
 
 @dataclass(eq=False)

@@ -26,6 +26,7 @@ from omnigate.engines.base import (
     SynthesisParams,
     VoiceInfo,
 )
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.qwen3_omni.engine import Qwen3OmniEngine, TurnAudio, TurnEnd, TurnOutput, TurnText
 from omnigate.engines.qwen3_omni.runner import TurnRequest
 
@@ -82,6 +83,11 @@ class Qwen3OmniServing(Engine):
 
     def shutdown(self) -> None:
         self.turns.stop()
+
+    @property
+    def encoder_stats(self) -> EncoderStats:
+        """The input encoder's counters (``/metrics``): calls, and the frames and turns they carried."""
+        return self.turns.encoder.stats
 
     # ---- conversations ----------------------------------------------------------------------------------------
 
