@@ -124,6 +124,17 @@ async def test_a_failed_call_fails_its_waiters_typed_and_the_encoder_goes_on(
     assert encoder.stats.failed_calls == 1
 
 
+async def test_a_turn_whose_audio_cannot_be_read_fails_alone(model: Qwen3OmniModel, encoder: InputEncoder) -> None:
+    good = speech(0.5, 24_000, 0)
+    tasks = await queued(encoder, encoder.audio(good[:-1], 24_000), encoder.audio(good, 24_000))  # half a sample
+    encoder.start()
+    bad, tokens = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+    assert isinstance(bad, EngineError) and bad.code == "invalid_audio"
+    assert isinstance(tokens, torch.Tensor)
+    torch.testing.assert_close(tokens, alone(model, good, 24_000), **TOLERANCE)
+    assert (encoder.stats.audio_calls, encoder.stats.audio_items, encoder.stats.failed_calls) == (1, 1, 0)
+
+
 class Died(BaseException):
     """What kills a thread outright (not an Exception a call's error handling takes)."""
 

@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,14 +44,14 @@ class _Request:
     frames: Sequence[np.ndarray] = ()
     pcm: bytes = b""
     rate: int = ENCODER_RATE
-    samples: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = len(self.pcm) // 2
 
     @property
     def is_audio(self) -> bool:
         return not self.frames
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) / 2 / self.rate
 
 
 class InputEncoder:
@@ -103,7 +103,7 @@ class InputEncoder:
         request = _Request(loop, loop.create_future(), **what)
         with self._lock:
             if self._closed is not None:
-                raise self._closed
+                raise _copy(self._closed)
             self._waiting = [r for r in self._waiting if not r.future.done()]  # (abandoned by their callers)
             if len(self._waiting) >= self.max_waiting:
                 raise EngineError("engine_busy", "too many inputs wait for the qwen3-omni encoder; retry shortly")
@@ -119,7 +119,7 @@ class InputEncoder:
             self._taken = []
             self._wake.notify_all()
         for request in failed:
-            _settle(request, error)
+            _settle(request, _copy(error))
 
     # ---- the encoder's thread ----------------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ class InputEncoder:
         try:
             while True:
                 with self._lock:
-                    while not (self._closed or self._waiting):
+                    while self._closed is None and not self._waiting:
                         self._wake.wait()
                     if self._closed is not None:
                         return
@@ -152,10 +152,9 @@ class InputEncoder:
             if request.future.done():
                 continue
             if request.is_audio:
-                seconds = request.samples / request.rate
-                fits = turns == 0 or audio_s + seconds <= MAX_CALL_AUDIO_S
+                fits = turns == 0 or audio_s + request.seconds <= MAX_CALL_AUDIO_S
                 turns += fits
-                audio_s += seconds if fits else 0.0
+                audio_s += request.seconds if fits else 0.0
             else:
                 fits = frames == 0 or frames + len(request.frames) <= MAX_CALL_FRAMES
                 frames += len(request.frames) if fits else 0
@@ -163,7 +162,7 @@ class InputEncoder:
         self._waiting = left
         return taken
 
-    def _encode(self, requests: list[_Request], call: Any) -> None:
+    def _encode(self, requests: list[_Request], call: Callable[[list[_Request]], Sequence[Any]]) -> None:
         if not requests:
             return
         try:
@@ -173,10 +172,10 @@ class InputEncoder:
             self.stats.failed_calls += 1
             error = EngineError("internal_error", f"encoding the input failed: {type(exc).__name__}: {exc}")
             for request in requests:
-                _settle(request, error)
+                _settle(request, _copy(error))
             return
         for request, result in zip(requests, results, strict=True):
-            _settle(request, result)
+            _settle(request, result)  # (an EngineError for a turn whose audio alone failed)
 
     def _encode_frames(self, requests: list[_Request]) -> list[list[torch.Tensor]]:
         frames = [frame for request in requests for frame in request.frames]
@@ -196,6 +195,8 @@ class InputEncoder:
                 outcomes.append(features[-1])
             except Exception as exc:  # this turn's audio alone fails (the others still go)
                 outcomes.append(EngineError("invalid_audio", f"the audio could not be read: {exc}"))
+        if not features:
+            return outcomes
         encoded = iter(self.model.encode_audios(features))
         self.stats.audio_calls += 1
         self.stats.audio_items += len(features)
@@ -213,6 +214,11 @@ class InputEncoder:
         )
         tensor: torch.Tensor = features["input_features"][0]
         return tensor
+
+
+def _copy(error: EngineError) -> EngineError:
+    """A new exception of the same code and message: one raised in each waiter, not one shared traceback."""
+    return EngineError(error.code, error.message)
 
 
 def _settle(request: _Request, outcome: Any) -> None:
