@@ -78,6 +78,12 @@ def level_row(mode: str, sessions: int, level: LevelReport, path: Path) -> dict[
         "stalled_ms": level.stalled_ms,
         "audio_s": level.audio_s,
         "report": path.name,
+        # The engine's input encoder over the level (scraped from /metrics): forwards, and turns each carried.
+        "encoder": {
+            m.name: {"delta": m.delta, "last": m.last}
+            for m in level.server_metrics
+            if m.name.startswith("omnigate_qwen3_omni_encoder")
+        },
     }
 
 

@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -396,7 +397,11 @@ def main() -> None:
             report["levels"] = []
             for sessions in levels:
                 encoded, reused, started = engine.frames_encoded_total, engine.frames_reused_total, time.perf_counter()
+                calls = dataclasses.asdict(engine.turns.encoder.stats)
                 result = asyncio.run(level(server.ws_url, sessions, frames, args))
+                # The input encoder's forwards over the level and what they carried (the batching of its questions).
+                after = dataclasses.asdict(engine.turns.encoder.stats)
+                result["encoder_calls"] = {k: v if k.startswith("largest") else v - calls[k] for k, v in after.items()}
                 result["frames_encoded"] = engine.frames_encoded_total - encoded
                 result["frames_from_the_session_cache"] = engine.frames_reused_total - reused
                 result["level_wall_s"] = round(time.perf_counter() - started, 1)

@@ -41,8 +41,9 @@ class AnswerHandle(Protocol):
 class AnsweringEngine(Protocol):
     info: EngineInfo
 
-    def encode_audio(self, pcm: bytes) -> Any:
-        """Audio tokens of a user turn's 24 kHz s16le speech. Blocking: call it off the event loop."""
+    async def encode_audio(self, pcm: bytes) -> Any:
+        """Audio tokens of a user turn's 24 kHz s16le speech; raises
+        :class:`~omnigate.engines.base.EngineError` (``engine_busy``, ...)."""
 
     def answer(
         self,

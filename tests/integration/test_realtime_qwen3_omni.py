@@ -1,5 +1,6 @@
 """``--engine qwen3-omni`` (``preset:tiny`` on the CPU) through the real server: /v1/realtime answered by the model
-itself, with no LLM or recognizer, spoken and text turns; cancel mid-answer; the speech routes refused, typed."""
+itself, with no LLM or recognizer, spoken and text turns (the spoken one's audio counted in /metrics by the input
+encoder); cancel mid-answer; the speech routes refused, typed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from omnigate.engines.piper import PiperEngine
 from omnigate.gateway.settings import Settings
+from omnigate.loadtest.metrics import parse_metrics
 from tests.integration.test_realtime_answer import say, utterance
 from tests.integration.test_realtime_ws import pcm_of, realtime, recv, until
 from tests.serving import RunningServer, serve
@@ -44,6 +46,13 @@ async def answered(connection: Any) -> tuple[list[dict[str, Any]], dict[str, Any
     return events, events[-1]["response"]
 
 
+async def encoded_turns(server: RunningServer) -> float:
+    """User turns the engine's input encoder has encoded, as ``/metrics`` says."""
+    async with httpx.AsyncClient(base_url=server.http_url) as client:
+        metrics = parse_metrics((await client.get("/metrics")).text)
+    return metrics['omnigate_qwen3_omni_encoder_items_total{input="audio"}'][1]
+
+
 def transcript(events: list[dict[str, Any]]) -> str:
     return "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
 
@@ -59,6 +68,7 @@ async def test_a_spoken_and_a_text_turn_are_answered_in_the_models_voice(omni_se
         updated = await recv(connection)
         assert updated["session"]["audio"]["output"]["voice"] in ("aiden", "chelsie", "ethan")
         # A spoken turn: appended, committed, then answered.
+        before = await encoded_turns(omni_server)
         await connection.input_audio_buffer.append(audio=base64.b64encode(speech(0.5)).decode())
         await connection.input_audio_buffer.commit()
         await connection.response.create(response={"max_output_tokens": 6})
@@ -70,6 +80,7 @@ async def test_a_spoken_and_a_text_turn_are_answered_in_the_models_voice(omni_se
         text = transcript(events)
         assert text and done["output"][0]["content"][0]["transcript"] == text
         assert 0 < done["usage"]["output_token_details"]["text_tokens"] <= 6
+        assert await encoded_turns(omni_server) == before + 1  # by the engine's encoder thread (in /metrics)
         # A text turn in the same conversation.
         await connection.conversation.item.create(
             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}

@@ -45,14 +45,17 @@ class Engine:
 
     info = INFO
 
-    def __init__(self, busy: bool = False) -> None:
+    def __init__(self, busy: bool = False, encoder_busy: bool = False) -> None:
         self.busy = busy
+        self.encoder_busy = encoder_busy
         self.encoded: list[bytes] = []
         self.asked: list[tuple[list[PromptTurn], AnswerSink, Handle]] = []
         self.credit: list[int | None] = []
         self.asked_event = asyncio.Event()
 
-    def encode_audio(self, pcm: bytes) -> Any:
+    async def encode_audio(self, pcm: bytes) -> Any:
+        if self.encoder_busy:
+            raise EngineError("engine_busy", "too many inputs wait for the encoder")
         self.encoded.append(pcm)
         return f"tokens of {len(pcm)} bytes"
 
@@ -148,6 +151,16 @@ async def test_a_busy_engine_fails_the_response_typed() -> None:
     backend.answer(response("resp_1"), SETTINGS, [])
     await asyncio.wait_for(sink.done.wait(), 5)
     assert sink.finished == [("failed", None, ("engine_busy", "every slot is answering"))]
+
+
+async def test_an_encoder_refusing_the_turns_audio_fails_the_response_typed() -> None:
+    engine = Engine(encoder_busy=True)
+    backend, sink = await started(engine)
+    backend.turn_audio("item_1", b"\x01\x00" * 100)
+    backend.answer(response("resp_1"), SETTINGS, [user_audio("item_1")])
+    await asyncio.wait_for(sink.done.wait(), 5)
+    assert sink.finished == [("failed", None, ("engine_busy", "too many inputs wait for the encoder"))]
+    assert not engine.asked
 
 
 @pytest.mark.parametrize(

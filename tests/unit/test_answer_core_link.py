@@ -104,9 +104,9 @@ async def test_a_connections_speech_is_encoded_once_for_all_its_answers(serving:
     encoded: list[int] = []
     encode = serving.encode_audio
 
-    def counted(pcm: bytes) -> Any:
+    async def counted(pcm: bytes) -> Any:
         encoded.append(len(pcm))
-        return encode(pcm)
+        return await encode(pcm)
 
     serving.encode_audio = counted  # type: ignore[method-assign]
     gateway = Gateway()

@@ -96,7 +96,7 @@ class CoreAnswerClient:
         self._writer: asyncio.StreamWriter | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(connection), name="answer-core-client")
 
-    def encode_audio(self, pcm: bytes) -> Speech:
+    async def encode_audio(self, pcm: bytes) -> Speech:
         """The core encodes a turn's speech: it is carried as it is, with an id of this connection's."""
         return Speech(next(self._speech_ids), pcm)
 

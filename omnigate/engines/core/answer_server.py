@@ -135,7 +135,7 @@ class AnswerLink:
         if cached is not None:
             self._encoded.move_to_end(speech_id)
             return cached
-        tokens: Any = await asyncio.to_thread(self._engine.encode_audio, speech)
+        tokens: Any = await self._engine.encode_audio(speech)
         rows = len(tokens)
         if speech_id in self._encoded or rows > ENCODED_ROWS:
             return tokens  # (encoded meanwhile by another answer, or too long to keep)

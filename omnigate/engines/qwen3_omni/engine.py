@@ -8,7 +8,9 @@ step, one padded talker frame, one Code2Wav push) and hands each turn, per step,
 ``response.cancel``): nothing more of it is delivered, and its slot is free at the next step. ``grant`` raises a
 turn's credit (the audio frames it may make in all, :attr:`TurnRequest.credit`): a turn at its credit is paused, not
 stepped, until its session's client takes more. A step that raises ends every turn in flight with an error, so no
-session waits on a worker that can no longer answer.
+session waits on a worker that can no longer answer. A turn's audio and a question's frames are encoded before it is
+submitted, by :attr:`Qwen3OmniEngine.encoder` (:class:`~omnigate.engines.qwen3_omni.encoder.InputEncoder`: every
+session's waiting inputs together, on its own thread).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.omni.tokenizer import IncrementalDecoder
+from omnigate.engines.qwen3_omni.encoder import InputEncoder
 from omnigate.engines.qwen3_omni.model import DEFAULT_MAX_CONTEXT, DEFAULT_SLOTS, Qwen3OmniModel, load_model
 from omnigate.engines.qwen3_omni.runner import AudioFrame, TextToken, TurnDone, TurnRequest, TurnRunner
 
@@ -93,6 +96,9 @@ class Qwen3OmniEngine:
         self.max_sessions = sessions
         self.sample_rate = model.sample_rate
         self._runner = TurnRunner(model)
+        # Inputs encoded on their own thread, batched (not on this worker: a burst's encode would stall every voice
+        # in flight); each session waits on at most one turn's audio, or one question's frames and audio.
+        self.encoder = InputEncoder(model, max_waiting=2 * sessions)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._submitted: list[tuple[TurnHandle, TurnRequest]] = []
@@ -124,11 +130,14 @@ class Qwen3OmniEngine:
         return cls(model, max_sessions=sessions)
 
     def start(self) -> None:
+        self.encoder.start()
         self._thread = threading.Thread(target=self._run, name="qwen3-omni-worker", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """End every turn and join the worker. Blocking: call it off the event loop."""
+        """End every turn, fail the inputs waiting to be encoded, and join the threads. Blocking: call it off the
+        event loop."""
+        self.encoder.stop()
         with self._lock:
             self._stopping = True
             self._wake.notify_all()

@@ -148,6 +148,9 @@ class Qwen3OmniModel:
         self.patch = int(vision.patch_size)
         self.merge = int(vision.spatial_merge_size)
         self.temporal_patch = int(vision.temporal_patch_size)
+        # The audio encoder cuts log-mel frames into chunks of twice this many, and pads the chunks of one call to
+        # the longest (see :meth:`encode_audios`).
+        self.audio_window = int(self.config.thinker_config.audio_config.n_window)
         self.talker_rope = _rope_table(talker.model.rotary_emb, max_context, self.device, self.dtype)
         self.predictor_rope = _rope_table(predictor.model.rotary_emb, self.groups + 1, self.device, self.dtype)
         self.thinker_embed = thinker.get_input_embeddings()
@@ -266,15 +269,29 @@ class Qwen3OmniModel:
             encoded.append(FrameTokens(stacked.detach(), (h // self.merge, w // self.merge)))
         return encoded
 
-    @torch.inference_mode()
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
         """Audio tokens ``[n, hidden]`` of log-mel ``features`` ``[mel, frames]`` (the audio encoder's input)."""
-        mask = torch.ones(1, features.shape[-1], dtype=torch.long, device=self.device)
-        out = self.whole.thinker.get_audio_features(
-            features[None].to(self.device, self.dtype), feature_attention_mask=mask
-        )
-        hidden: torch.Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
-        return hidden.detach()
+        return self.encode_audios([features])[0]
+
+    @torch.inference_mode()
+    def encode_audios(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Audio tokens of each of ``features`` (log-mel ``[mel, frames]`` each), each equal to :meth:`encode_audio`
+        of it alone. The encoder pads a call's chunks to the longest: items of at least one whole chunk go in one
+        call (their longest chunk is a whole one, alone or not), a shorter item with those of its own length."""
+        chunk = 2 * self.audio_window
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(features):
+            groups.setdefault(min(int(item.shape[-1]), chunk), []).append(i)
+        encoded: list[torch.Tensor] = [torch.empty(0)] * len(features)
+        tower = self.whole.thinker.model.audio_tower
+        for members in groups.values():
+            lengths = [int(features[i].shape[-1]) for i in members]
+            joined = torch.cat([features[i] for i in members], dim=-1).to(self.device, self.dtype)
+            out = tower(joined, feature_lens=torch.tensor(lengths, device=self.device), return_dict=True)
+            counts = [audio_token_count(n, self.audio_window) for n in lengths]
+            for i, tokens in zip(members, out.last_hidden_state.split(counts), strict=True):
+                encoded[i] = tokens.detach()
+        return encoded
 
     def _thinker_logits(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = (self.thinker_stack.norm(x) @ self._thinker_head.t()).float()
@@ -728,3 +745,11 @@ def load_model(
     if not path.is_dir():
         raise Qwen3OmniModelError(f"model {spec!r} is neither preset:NAME nor a directory")
     return load_checkpoint(path, device=device, dtype=dtype or "bfloat16", slots=slots, max_context=max_context)
+
+
+def audio_token_count(frames: int, window: int) -> int:
+    """Audio tokens of ``frames`` log-mel frames: three stride-2 convolutions over each chunk of ``2 * window``
+    frames (13 tokens a whole chunk of 100), as transformers' ``_get_feat_extract_output_lengths`` counts them."""
+    chunk = 2 * window
+    tail = (frames % chunk - 1) // 2 + 1
+    return ((tail - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13

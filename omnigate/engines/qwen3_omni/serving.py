@@ -4,21 +4,17 @@
 voice), so the speech stream contract (text in, speech out) is refused, typed, naming the route it serves; realtime
 sessions call :meth:`Qwen3OmniServing.answer` (the :class:`~omnigate.engines.answering.AnsweringEngine` API), through
 :mod:`omnigate.gateway.realtime.answer_backend`: a conversation (text, and user audio encoded by
-:meth:`Qwen3OmniServing.encode_audio`) becomes a thinker prompt for the turns' worker
-(:class:`~omnigate.engines.qwen3_omni.engine.Qwen3OmniEngine`).
+:meth:`Qwen3OmniServing.encode_audio`, batched with the other sessions' turns) becomes a thinker prompt for the
+turns' worker (:class:`~omnigate.engines.qwen3_omni.engine.Qwen3OmniEngine`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import torch
-from transformers import WhisperFeatureExtractor
 
-from omnigate.codecs.resample import StreamResampler
 from omnigate.engines.answering import AnswerHandle, AnswerSink, PromptTurn
 from omnigate.engines.base import (
     Engine,
@@ -30,12 +26,12 @@ from omnigate.engines.base import (
     SynthesisParams,
     VoiceInfo,
 )
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.qwen3_omni.engine import Qwen3OmniEngine, TurnAudio, TurnEnd, TurnOutput, TurnText
 from omnigate.engines.qwen3_omni.runner import TurnRequest
 
 FAMILY = "qwen3-omni"
 DEFAULT_SPEAKER = "ethan"
-ENCODER_RATE = 16_000  # the audio encoder's log-mel features are of 16 kHz audio
 INPUT_RATE = 24_000  # a realtime session's user audio
 NOT_TEXT = (
     "the qwen3-omni engine answers a conversation in its own voice: it serves WS /v1/realtime (spoken and text "
@@ -62,8 +58,6 @@ class Qwen3OmniServing(Engine):
             max_batch=turns.max_sessions,
             synthetic=model.random_weights,
         )
-        mel_bins = int(model.config.thinker_config.audio_config.num_mel_bins)
-        self._features = WhisperFeatureExtractor(feature_size=mel_bins)  # type: ignore[no-untyped-call]
         thinker = model.config.thinker_config
         self._audio_start = int(thinker.audio_start_token_id)
         self._audio_token = int(thinker.audio_token_id)
@@ -90,17 +84,18 @@ class Qwen3OmniServing(Engine):
     def shutdown(self) -> None:
         self.turns.stop()
 
+    @property
+    def encoder_stats(self) -> EncoderStats:
+        """The input encoder's counters (``/metrics``): calls, and the frames and turns they carried."""
+        return self.turns.encoder.stats
+
     # ---- conversations ----------------------------------------------------------------------------------------
 
-    def encode_audio(self, pcm: bytes) -> torch.Tensor:
-        """Audio tokens of a user turn's 24 kHz s16le speech. Blocking (the audio encoder): call it off the loop."""
-        resampler = StreamResampler(INPUT_RATE, ENCODER_RATE)
-        samples = resampler.process(pcm) + resampler.flush()
-        audio = np.frombuffer(samples, dtype="<i2").astype(np.float32) / 32768.0
-        features: Any = self._features(
-            audio, sampling_rate=ENCODER_RATE, return_tensors="pt", padding="longest", truncation=False
-        )
-        return self.turns.model.encode_audio(features["input_features"][0])
+    async def encode_audio(self, pcm: bytes) -> torch.Tensor:
+        """Audio tokens of a user turn's 24 kHz s16le speech, encoded with the other sessions' waiting turns
+        (:class:`~omnigate.engines.qwen3_omni.encoder.InputEncoder`); raises EngineError ``engine_busy`` when too
+        many wait."""
+        return await self.turns.encoder.audio(pcm, INPUT_RATE)
 
     def answer(
         self,

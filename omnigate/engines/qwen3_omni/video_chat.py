@@ -5,7 +5,9 @@ the answer in text and the model's own voice, with no second speech engine.
 OmniEngine` offers them), on the turns engine the realtime route shares (:class:`~omnigate.engines.qwen3_omni.engine.
 Qwen3OmniEngine`). A question's frames are encoded by the thinker's vision encoder, except those whose vision tokens
 the session's :class:`~omnigate.engines.omni.request.EncoderCache` holds (an unchanged camera picture is not encoded
-again; the cache is bounded by its entries); its audio by the thinker's audio encoder; both off the event loop. The
+again; the cache is bounded by its entries) or that an earlier question of the session is encoding still (awaited,
+not encoded twice); its audio by the thinker's audio encoder; both on the turns engine's
+:class:`~omnigate.engines.qwen3_omni.encoder.InputEncoder`, with every session's waiting inputs. The
 prompt is the session's history (Qwen chat markup, :class:`Qwen3PromptFormat`), then the user turn: each frame as
 ``<|vision_start|>`` + its image placeholders + ``<|vision_end|>``, the audio as ``<|audio_start|>`` + its
 placeholders + ``<|audio_end|>``, the question's text. The answer's text and voice stream back as
@@ -16,14 +18,14 @@ placeholders + ``<|audio_end|>``, the question's text. The answer's text and voi
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import WhisperFeatureExtractor
 
 from omnigate.engines.base import EngineError
 from omnigate.engines.omni.request import (
@@ -163,10 +165,12 @@ class Qwen3VideoChat:
         self._vision_start = int(thinker.vision_start_token_id)
         self._audio = int(thinker.audio_token_id)
         self._audio_start = int(thinker.audio_start_token_id)
-        mel_bins = int(thinker.audio_config.num_mel_bins)
-        self._features = WhisperFeatureExtractor(feature_size=mel_bins)  # type: ignore[no-untyped-call]
         self.frames_encoded_total = 0
-        self.frames_reused_total = 0
+        self.frames_reused_total = 0  # from a session's cache, or from its earlier question's encode in flight
+        # Per session (its cache), the frames being encoded: a digest's task gives the frame's vision tokens.
+        self._encoding: weakref.WeakKeyDictionary[EncoderCache, dict[bytes, asyncio.Task[torch.Tensor]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def start(self) -> None:
         """The turns engine runs already (the pool started it)."""
@@ -175,7 +179,8 @@ class Qwen3VideoChat:
         """The pool stops the turns engine."""
 
     def encode_ahead(self, frame: FrameInput, cache: EncoderCache) -> None:
-        """Nothing ahead: a question's missing frames are encoded with its audio in one call when it is asked."""
+        """Nothing ahead: a question's missing frames are encoded when it is asked, with every session's waiting
+        inputs."""
 
     def forget_frames(self, cache: EncoderCache) -> None:
         """No frames wait to be encoded ahead (see :meth:`encode_ahead`)."""
@@ -206,21 +211,14 @@ class Qwen3VideoChat:
                 ThinkDone("error", "", 0, f"unknown voice {request.voice!r}; choose one of {voices}", "invalid_voice")
             )
             return
-        cache = request.cache
-        found: list[torch.Tensor | None] = [cache.get(f.digest) if cache is not None else None for f in request.frames]
-        missing = [i for i, tokens in enumerate(found) if tokens is None]
-        encoded, audio = await asyncio.to_thread(
-            self._encode, [request.frames[i].pixels for i in missing], request.audio
-        )
-        self.frames_encoded_total += len(missing)
-        self.frames_reused_total += len(found) - len(missing)
-        for i, tokens in zip(missing, encoded, strict=True):
-            found[i] = tokens
-            if cache is not None:
-                cache.put(request.frames[i].digest, tokens)
+        try:
+            found, audio = await asyncio.gather(self._frame_tokens(request), self._audio_tokens(request.audio))
+        except EngineError as exc:
+            turn.end(ThinkDone("error", "", 0, exc.message, exc.code))
+            return
         if turn.cancelled:
             return
-        frames = tuple(FrameTokens(t, self.grid) for t in found if t is not None)
+        frames = tuple(FrameTokens(t, self.grid) for t in found)
         tok = model.tokenizer
         content: list[int] = []
         for frame in frames:
@@ -254,15 +252,50 @@ class Qwen3VideoChat:
         except EngineError as exc:
             turn.end(ThinkDone("error", "", 0, exc.message, exc.code))
 
-    def _encode(self, frames: list[np.ndarray], pcm: bytes) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Vision tokens of ``frames`` (one encoder call) and audio tokens of 16 kHz s16le ``pcm`` (None without
-        any). Blocking: runs on a thread."""
-        model = self.turns.model
-        vision = [f.tokens for f in model.encode_frames(frames)]
+    async def _frame_tokens(self, request: ThinkRequest) -> list[torch.Tensor]:
+        """Vision tokens of the question's frames: from the session's cache, from an encode of the session in flight,
+        or encoded now (the frames no one encodes yet, in one request)."""
+        cache = request.cache
+        encoding = self._encoding.setdefault(cache, {}) if cache is not None else {}
+        cached = [cache.get(f.digest) if cache is not None else None for f in request.frames]
+        new = {f.digest: f.pixels for f, t in zip(request.frames, cached, strict=True) if t is None}
+        new = {digest: pixels for digest, pixels in new.items() if digest not in encoding}
+        if new:
+            batch = asyncio.ensure_future(self.turns.encoder.frames(list(new.values())))
+            for k, digest in enumerate(new):
+                task = asyncio.create_task(self._one_frame(batch, k, cache, digest), name="qwen3-video-chat-frame")
+                task.add_done_callback(functools.partial(self._encoded, encoding, digest))
+                encoding[digest] = task
+        sources: list[torch.Tensor | asyncio.Task[torch.Tensor]] = []
+        for frame, held in zip(request.frames, cached, strict=True):
+            if held is None and new.pop(frame.digest, None) is not None:
+                self.frames_encoded_total += 1
+            else:
+                self.frames_reused_total += 1
+            sources.append(held if held is not None else encoding[frame.digest])
+        # Shielded: this question giving up does not cancel an encode another question of the session awaits.
+        return [s if isinstance(s, torch.Tensor) else await asyncio.shield(s) for s in sources]
+
+    @staticmethod
+    async def _one_frame(
+        batch: asyncio.Future[list[torch.Tensor]], k: int, cache: EncoderCache | None, digest: bytes
+    ) -> torch.Tensor:
+        tokens = (await batch)[k]
+        if cache is not None:
+            cache.put(digest, tokens)
+        return tokens
+
+    @staticmethod
+    def _encoded(
+        encoding: dict[bytes, asyncio.Task[torch.Tensor]], digest: bytes, task: asyncio.Task[torch.Tensor]
+    ) -> None:
+        if encoding.get(digest) is task:
+            del encoding[digest]
+        if not task.cancelled():
+            task.exception()  # (retrieved: the questions awaiting it, if any still do, raise it themselves)
+
+    async def _audio_tokens(self, pcm: bytes) -> torch.Tensor | None:
+        """Audio tokens of the question's 16 kHz s16le audio (None without any)."""
         if not pcm:
-            return vision, None
-        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-        features: Any = self._features(
-            samples, sampling_rate=AUDIO_RATE, return_tensors="pt", padding="longest", truncation=False
-        )
-        return vision, model.encode_audio(features["input_features"][0])
+            return None
+        return await self.turns.encoder.audio(pcm, AUDIO_RATE)

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from omnigate.engines.duplex.stats import STEP_BUCKETS_S, ClockStats
 from omnigate.engines.omni.stats import RATE_WINDOW_S, ThinkerStats
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.remote.pool import RemoteEnginePool
 from omnigate.engines.remote.protocol import ReplicaStats
 from omnigate.engines.step_stats import BATCH_BUCKETS
@@ -133,6 +134,9 @@ class _GatewayCollector(Collector):
         yield failed
         if isinstance(pool, RemoteEnginePool):
             yield from _remote_engine_metrics(list(pool.replica_stats().values()))
+        encoder = getattr(getattr(pool, "engine", None), "encoder_stats", None)  # qwen3-omni in this process
+        if isinstance(encoder, EncoderStats):
+            yield from _encoder_metrics(encoder)
 
 
 def _histogram(
@@ -188,6 +192,35 @@ def _remote_engine_metrics(
     for stage, seconds in totals.items():
         stages.add_metric([stage], seconds)
     yield stages
+
+
+def _encoder_metrics(stats: EncoderStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The Qwen3-Omni input encoder's thread: its calls and what each carried (the batching of a burst)."""
+    calls = CounterMetricFamily(
+        "omnigate_qwen3_omni_encoder_calls", "Encoder forwards of the input encoder's thread", labels=["input"]
+    )
+    calls.add_metric(["frames"], stats.frame_calls)
+    calls.add_metric(["audio"], stats.audio_calls)
+    yield calls
+    items = CounterMetricFamily(
+        "omnigate_qwen3_omni_encoder_items",
+        "Inputs those forwards encoded: camera frames, user turns",
+        labels=["input"],
+    )
+    items.add_metric(["frames"], stats.frames)
+    items.add_metric(["audio"], stats.audio_items)
+    yield items
+    yield _counter(
+        "omnigate_qwen3_omni_encoder_frame_requests", "Questions whose frames the encoder's forwards carried",
+        stats.frame_requests,
+    )  # fmt: skip
+    largest = GaugeMetricFamily(
+        "omnigate_qwen3_omni_encoder_largest_call", "Most inputs one encoder forward carried", labels=["input"]
+    )
+    largest.add_metric(["frames"], stats.largest_frame_call)
+    largest.add_metric(["audio"], stats.largest_audio_call)
+    yield largest
+    yield _counter("omnigate_qwen3_omni_encoder_failed_calls", "Encoder forwards that raised", stats.failed_calls)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -1,7 +1,8 @@
 """Realtime sessions on an engine that answers the conversation itself (``--engine qwen3-omni``), no LLM or ASR.
 
 Each committed user turn's audio is kept (by item) and encoded into the model's audio tokens when a response needs
-it, on a thread; ``response.create`` (or a turn server VAD ended) hands the conversation to the engine, whose text
+it, by the engine (with the other sessions' waiting turns: ``engine_busy`` fails the response when too many
+wait); ``response.create`` (or a turn server VAD ended) hands the conversation to the engine, whose text
 comes back as the response's transcript and whose voice as its audio (at the engine's rate). The engine makes an
 answer faster than it plays: what the session's outbox has no room for waits here, in order, and goes on as the
 transport takes audio, so a client that plays in real time (a WebRTC track) is not overrun. The engine holds credit:
@@ -121,7 +122,11 @@ class ModelAnswerBackend(Backend):
                 if audio_id in self._pcm:
                     pcm = self._audio[audio_id]
                     assert isinstance(pcm, bytes)
-                    encoded = await asyncio.to_thread(self.engine.encode_audio, pcm)
+                    try:
+                        encoded = await self.engine.encode_audio(pcm)
+                    except EngineError as exc:
+                        self._refused(response, exc)
+                        return
                     if audio_id in self._pcm:  # (not released or forgotten meanwhile)
                         self._audio[audio_id] = encoded
                         self._pcm.discard(audio_id)
@@ -143,8 +148,13 @@ class ModelAnswerBackend(Backend):
                 credit=CREDIT_CHUNKS,
             )
         except EngineError as exc:
-            self._response = None
-            sink.finish_response(response, "failed", error=(exc.code, exc.message))
+            self._refused(response, exc)
+
+    def _refused(self, response: Response, error: EngineError) -> None:
+        if self._sink is None or response is not self._response:
+            return  # released or cancelled meanwhile
+        self._response = None
+        self._sink.finish_response(response, "failed", error=(error.code, error.message))
 
     def _submitted(self, task: asyncio.Task[None]) -> None:
         if task is self._task:
