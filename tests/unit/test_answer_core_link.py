@@ -20,10 +20,9 @@ from omnigate.engines.core.answer_protocol import (
     AudioChunk,
     TextDelta,
     TurnIn,
-    decode_body,
 )
 from omnigate.engines.core.answer_server import AnswerLink
-from omnigate.engines.core.framing import Frame, FrameDecoder, FrameError, FrameKind
+from omnigate.engines.core.framing import Frame, FrameDecoder, FrameError, FrameKind, decode_body
 from omnigate.engines.qwen3_omni.engine import Qwen3OmniEngine
 from omnigate.engines.qwen3_omni.model import build_preset
 from omnigate.engines.qwen3_omni.serving import Qwen3OmniServing

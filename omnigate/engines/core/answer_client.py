@@ -30,35 +30,20 @@ from omnigate.engines.core.answer_protocol import (
     AnswerOutputs,
     TextDelta,
     TurnIn,
-    decode_body,
 )
-from omnigate.engines.core.client import READ_BYTES
-from omnigate.engines.core.framing import MAX_FRAME_BYTES, Frame, FrameDecoder, FrameError, FrameKind, encode_frame
+from omnigate.engines.core.framing import (
+    MAX_FRAME_BYTES,
+    Frame,
+    FrameError,
+    FrameKind,
+    decode_body,
+    encode_frame,
+)
+from omnigate.engines.core.link import Connection, first_hello, hello_again, read_frames
 
 log = logging.getLogger(__name__)
 
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter, FrameDecoder]
 UNAVAILABLE = "the engine core is unavailable; retry shortly"
-
-
-async def _hello(socket_path: str, timeout_s: float) -> tuple[Connection, AnswerInfo]:
-    """A new connection and the core's answer to ANSWER_HELLO. Raises OSError, TimeoutError, FrameError."""
-    async with asyncio.timeout(timeout_s):
-        reader, writer = await asyncio.open_unix_connection(socket_path, limit=READ_BYTES)
-        try:
-            writer.write(encode_frame(FrameKind.ANSWER_HELLO, 0))
-            decoder = FrameDecoder()
-            while data := await reader.read(READ_BYTES):
-                frames = decoder.feed(data)
-                if frames:
-                    first = frames[0]
-                    if first.kind is not FrameKind.ANSWER_INFO or len(frames) > 1:
-                        raise FrameError(f"the engine core answered ANSWER_HELLO with {first.kind.name}")
-                    return (reader, writer, decoder), decode_body(first.body, AnswerInfo)
-            raise ConnectionResetError("the engine core closed the connection")
-        except BaseException:
-            writer.close()
-            raise
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,36 +166,19 @@ class CoreAnswerClient:
 
     async def _run(self, connection: Connection) -> None:
         while True:
-            reason = await self._serve(connection)
+            self._writer = connection[1]
+            reason = await read_frames(connection, self._receive)
             log.error("realtime answers lost their engine core: %s", reason)
             self._lost(reason)
-            connection = await self._reconnect()
-
-    async def _serve(self, connection: Connection) -> str:
-        reader, writer, decoder = connection
-        self._writer = writer
-        try:
-            while data := await reader.read(READ_BYTES):
-                for frame in decoder.feed(data):
-                    self._receive(frame)
-            return "the engine core closed the connection"
-        except FrameError as exc:
-            return f"the engine core broke the framing: {exc}"
-        except (ConnectionError, OSError) as exc:
-            return f"the engine core connection broke: {exc}"
-        finally:
-            writer.close()
-
-    async def _reconnect(self) -> Connection:
-        while True:
-            await asyncio.sleep(self._poll_interval_s)
-            try:
-                connection, hello = await _hello(self._path, max(1.0, 4 * self._poll_interval_s))
-            except (OSError, TimeoutError, FrameError):
-                continue
+            connection, hello = await hello_again(
+                self._path,
+                FrameKind.ANSWER_HELLO,
+                FrameKind.ANSWER_INFO,
+                AnswerInfo,
+                poll_interval_s=self._poll_interval_s,
+            )
             log.info("realtime answers attached to the engine core again")
             self.info = hello.info
-            return connection
 
 
 async def connect_answer_core(
@@ -218,12 +186,12 @@ async def connect_answer_core(
 ) -> CoreAnswerClient:
     """The answering engine of the core at ``socket_path``, once it answers (within ``ready_timeout_s``: it may
     still be loading the model). Raises ``TimeoutError``."""
-    async with asyncio.timeout(ready_timeout_s):
-        while True:
-            try:
-                connection, hello = await _hello(socket_path, max(1.0, 4 * poll_interval_s))
-            except (OSError, TimeoutError, FrameError) as exc:
-                log.debug("the engine core does not answer yet: %s", exc)
-                await asyncio.sleep(poll_interval_s)
-                continue
-            return CoreAnswerClient(socket_path, connection, hello, poll_interval_s=poll_interval_s)
+    connection, hello = await first_hello(
+        socket_path,
+        FrameKind.ANSWER_HELLO,
+        FrameKind.ANSWER_INFO,
+        AnswerInfo,
+        ready_timeout_s=ready_timeout_s,
+        poll_interval_s=poll_interval_s,
+    )
+    return CoreAnswerClient(socket_path, connection, hello, poll_interval_s=poll_interval_s)

@@ -9,12 +9,11 @@ as a cumulative count of audio chunks (``AnswerGrant``), so a repeated grant cha
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import msgspec
 
 from omnigate.engines.base import EngineInfo
-from omnigate.engines.core.framing import FrameError
 
 # The core says the engine is gone (its connection dropped) with this code, as the speech streams do.
 ENGINE_UNAVAILABLE = "engine_unavailable"
@@ -72,13 +71,3 @@ class AnswerEnded(msgspec.Struct, frozen=True):
 
 
 ENCODER = msgspec.msgpack.Encoder()
-
-_M = TypeVar("_M")
-
-
-def decode_body(body: bytes, kind: type[_M]) -> _M:
-    """An ``ANSWER_*`` frame's body as ``kind``. Raises :class:`FrameError` for a malformed one."""
-    try:
-        return msgspec.msgpack.decode(body, type=kind)
-    except msgspec.DecodeError as exc:
-        raise FrameError(f"a malformed {kind.__name__}: {exc}") from None

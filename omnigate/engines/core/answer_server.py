@@ -28,9 +28,8 @@ from omnigate.engines.core.answer_protocol import (
     AnswerOutputs,
     AudioChunk,
     TextDelta,
-    decode_body,
 )
-from omnigate.engines.core.framing import Frame, FrameError, FrameKind, encode_frame
+from omnigate.engines.core.framing import Frame, FrameError, FrameKind, decode_body, encode_frame
 
 log = logging.getLogger(__name__)
 

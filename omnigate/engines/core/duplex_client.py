@@ -13,34 +13,12 @@ import asyncio
 import contextlib
 import logging
 
-from omnigate.engines.core.client import READ_BYTES
 from omnigate.engines.core.duplex_mirror import DuplexMirror
-from omnigate.engines.core.duplex_protocol import DuplexInfo, decode_body
-from omnigate.engines.core.framing import FrameDecoder, FrameError, FrameKind, encode_frame
+from omnigate.engines.core.duplex_protocol import DuplexInfo
+from omnigate.engines.core.framing import FrameKind
+from omnigate.engines.core.link import Connection, first_hello, hello_again, read_frames
 
 log = logging.getLogger(__name__)
-
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter, FrameDecoder]
-
-
-async def _hello(socket_path: str, timeout_s: float) -> tuple[Connection, DuplexInfo]:
-    """A new duplex connection and the core's answer to DUPLEX_HELLO. Raises OSError, TimeoutError, FrameError."""
-    async with asyncio.timeout(timeout_s):
-        reader, writer = await asyncio.open_unix_connection(socket_path, limit=READ_BYTES)
-        try:
-            writer.write(encode_frame(FrameKind.DUPLEX_HELLO, 0))
-            decoder = FrameDecoder()
-            while data := await reader.read(READ_BYTES):
-                frames = decoder.feed(data)
-                if frames:
-                    first = frames[0]
-                    if first.kind is not FrameKind.DUPLEX_INFO or len(frames) > 1:
-                        raise FrameError(f"the engine core answered DUPLEX_HELLO with {first.kind.name}")
-                    return (reader, writer, decoder), decode_body(first.body, DuplexInfo)
-            raise ConnectionResetError("the engine core closed the connection")
-        except BaseException:
-            writer.close()
-            raise
 
 
 class CoreDuplexClient(DuplexMirror):
@@ -84,38 +62,23 @@ class CoreDuplexClient(DuplexMirror):
 
     async def _run(self, connection: Connection) -> None:
         while True:
-            reason = await self._serve(connection)
+            self._writer = connection[1]
+            try:
+                reason = await read_frames(connection, self.receive)
+            finally:
+                self._writer = None
+                self._out.clear()
             log.error("duplex sessions lost their engine core: %s", reason)
             self.lost(reason)
-            connection = await self._reconnect()
-
-    async def _serve(self, connection: Connection) -> str:
-        reader, writer, decoder = connection
-        self._writer = writer
-        try:
-            while data := await reader.read(READ_BYTES):
-                for frame in decoder.feed(data):
-                    self.receive(frame)
-            return "the engine core closed the connection"
-        except FrameError as exc:
-            return f"the engine core broke the framing: {exc}"
-        except (ConnectionError, OSError) as exc:
-            return f"the engine core connection broke: {exc}"
-        finally:
-            self._writer = None
-            self._out.clear()
-            writer.close()
-
-    async def _reconnect(self) -> Connection:
-        while True:
-            await asyncio.sleep(self._poll_interval_s)
-            try:
-                connection, hello = await _hello(self._path, max(1.0, 4 * self._poll_interval_s))
-            except (OSError, TimeoutError, FrameError):
-                continue
+            connection, hello = await hello_again(
+                self._path,
+                FrameKind.DUPLEX_HELLO,
+                FrameKind.DUPLEX_INFO,
+                DuplexInfo,
+                poll_interval_s=self._poll_interval_s,
+            )
             log.info("duplex sessions attached to the engine core again")
             self.attached(hello)
-            return connection
 
 
 async def connect_duplex_core(
@@ -123,12 +86,12 @@ async def connect_duplex_core(
 ) -> CoreDuplexClient:
     """The duplex engine of the core at ``socket_path``, once it answers (within ``ready_timeout_s``: it may still
     be loading the model). Raises ``TimeoutError``."""
-    async with asyncio.timeout(ready_timeout_s):
-        while True:
-            try:
-                connection, hello = await _hello(socket_path, max(1.0, 4 * poll_interval_s))
-            except (OSError, TimeoutError, FrameError) as exc:
-                log.debug("the engine core does not answer yet: %s", exc)
-                await asyncio.sleep(poll_interval_s)
-                continue
-            return CoreDuplexClient(socket_path, connection, hello, poll_interval_s=poll_interval_s)
+    connection, hello = await first_hello(
+        socket_path,
+        FrameKind.DUPLEX_HELLO,
+        FrameKind.DUPLEX_INFO,
+        DuplexInfo,
+        ready_timeout_s=ready_timeout_s,
+        poll_interval_s=poll_interval_s,
+    )
+    return CoreDuplexClient(socket_path, connection, hello, poll_interval_s=poll_interval_s)

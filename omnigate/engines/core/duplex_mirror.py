@@ -26,9 +26,8 @@ from omnigate.engines.core.duplex_protocol import (
     DuplexInfo,
     DuplexOpen,
     DuplexTick,
-    decode_body,
 )
-from omnigate.engines.core.framing import MAX_FRAME_BYTES, Frame, FrameError, FrameKind, encode_frame
+from omnigate.engines.core.framing import MAX_FRAME_BYTES, Frame, FrameError, FrameKind, decode_body, encode_frame
 from omnigate.engines.duplex.session import (
     DuplexClosed,
     DuplexFull,

@@ -7,12 +7,11 @@ sent, then holds the session's unconsumed input exactly as the engine would, nev
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import msgspec
 
 from omnigate.engines.base import EngineInfo
-from omnigate.engines.core.framing import FrameError
 from omnigate.engines.duplex.session import DuplexFrame
 from omnigate.engines.duplex.stats import ClockStats
 
@@ -60,13 +59,3 @@ class DuplexEnded(msgspec.Struct, frozen=True):
 
 
 ENCODER = msgspec.msgpack.Encoder()
-
-_M = TypeVar("_M")
-
-
-def decode_body(body: bytes, kind: type[_M]) -> _M:
-    """A ``DUPLEX_*`` frame's body as ``kind``. Raises :class:`FrameError` for a malformed one."""
-    try:
-        return msgspec.msgpack.decode(body, type=kind)
-    except msgspec.DecodeError as exc:
-        raise FrameError(f"a malformed {kind.__name__}: {exc}") from None

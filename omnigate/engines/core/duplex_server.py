@@ -27,9 +27,8 @@ from omnigate.engines.core.duplex_protocol import (
     DuplexOpen,
     DuplexTick,
     SessionFrame,
-    decode_body,
 )
-from omnigate.engines.core.framing import Frame, FrameError, FrameKind, encode_frame
+from omnigate.engines.core.framing import Frame, FrameError, FrameKind, decode_body, encode_frame
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession
 
 if TYPE_CHECKING:

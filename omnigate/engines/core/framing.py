@@ -15,6 +15,9 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
 
 # body length, kind, call id (network byte order)
 HEADER = struct.Struct("!IBI")
@@ -109,3 +112,14 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes of a frame not yet complete."""
         return len(self._buffer)
+
+
+_M = TypeVar("_M")
+
+
+def decode_body(body: bytes, kind: type[_M]) -> _M:
+    """A frame's msgpack body as ``kind``. Raises :class:`FrameError` for a malformed one."""
+    try:
+        return msgspec.msgpack.decode(body, type=kind)
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"a malformed {kind.__name__}: {exc}") from None
