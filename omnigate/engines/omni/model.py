@@ -36,6 +36,7 @@ from omnigate.engines.omni.request import AUDIO_RATE
 from omnigate.engines.omni.sampling import sample_rows
 from omnigate.engines.omni.tokenizer import HfTokenizer, PrintableTokenizer, ThinkerTokenizer
 from omnigate.engines.omni.vision_attention import use_segmented_attention
+from omnigate.kernels.vision_patches import frame_patches
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +178,9 @@ class OmniModel:
 
     def _patches(self, frame: np.ndarray) -> torch.Tensor:
         """One HxWx3 uint8 frame (already ``frame_size`` square) as the vision encoder's flattened patches."""
-        image = torch.from_numpy(frame.copy()).to(torch.float32).permute(2, 0, 1) / 255.0
-        image = (image - _MEAN) / _STD
-        grid = self.frame_size // self.patch
-        m, p, t = self.merge, self.patch, self.temporal_patch
-        x = image[None].repeat(t, 1, 1, 1)
-        x = x.reshape(1, t, 3, grid // m, m, p, grid // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return x.reshape(grid * grid, 3 * t * p * p)
+        return frame_patches(
+            frame, patch=self.patch, merge=self.merge, temporal=self.temporal_patch, mean=_MEAN, std=_STD
+        )
 
     @torch.inference_mode()
     def encode_frames(self, frames: Sequence[np.ndarray]) -> list[torch.Tensor]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from omnigate.kernels.vision_patches import frame_patches as vision_patches
+
 # Qwen3-Omni's image processor normalises every channel with mean 0.5 and deviation 0.5.
 PIXEL_MEAN = 0.5
 PIXEL_STD = 0.5
@@ -38,18 +40,9 @@ class FrameTokens:
 
 
 def frame_patches(frame: np.ndarray, *, patch: int, merge: int, temporal: int) -> torch.Tensor:
-    """One ``H x W x 3`` uint8 frame (sides multiples of ``patch * merge``) as the encoder's flattened patches
-    ``[grid_h * grid_w, 3 * temporal * patch * patch]``, in the order transformers' image processor writes them."""
-    height, width = frame.shape[:2]
-    if height % (patch * merge) or width % (patch * merge):
-        raise ValueError(f"a {width}x{height} frame is not a multiple of {patch * merge} pixels on each side")
-    image = torch.from_numpy(frame.copy()).to(torch.float32).permute(2, 0, 1) / 255.0
-    image = (image - PIXEL_MEAN) / PIXEL_STD
-    gh, gw = height // patch, width // patch
-    x = image[None].repeat(temporal, 1, 1, 1)
-    x = x.reshape(1, temporal, 3, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(gh * gw, 3 * temporal * patch * patch)
+    """One ``H x W x 3`` uint8 frame (sides multiples of ``patch * merge``) as the encoder's flattened patches, with
+    Qwen3-Omni's normalisation."""
+    return vision_patches(frame, patch=patch, merge=merge, temporal=temporal, mean=PIXEL_MEAN, std=PIXEL_STD)
 
 
 def rope_positions(ids: Sequence[int], image_token: int, grids: Sequence[tuple[int, int]]) -> tuple[list[int], ...]:
