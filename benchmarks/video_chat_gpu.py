@@ -129,7 +129,8 @@ async def one_session(
     url: str, frames: list[str], args: argparse.Namespace, results: dict[str, list[float]], outcomes: Outcomes
 ) -> None:
     async with connect(url + ROUTE, max_size=None) as ws:
-        config = {"num_frames": args.num_frames, "max_new_tokens": args.max_new_tokens, "audio_format": "pcm"}
+        # The route's default audio format (wav), as the page asks for it: the timings read no audio bytes.
+        config = {"num_frames": args.num_frames, "max_new_tokens": args.max_new_tokens}
         await ws.send(json.dumps({"type": "session.config", **config}))
         loop = asyncio.get_running_loop()
         end = loop.time() + args.duration
