@@ -2,8 +2,9 @@
 the embedded speech recognizer and the embedded LLM, no other process), and Chromium holding a conversation on the
 page's talk mode.
 
-Chromium's fake microphone plays a recorded question followed by silence, in a loop; pocketsphinx hears it,
-SmolLM2-135M-Instruct answers, hibari speaks the answer. Usage: python -m tests.browser.talk_embedded_session OUT_DIR
+Chromium's fake microphone plays a recorded question followed by silence (the test mutes it once the question is
+heard); pocketsphinx hears it, SmolLM2-135M-Instruct answers, hibari speaks the answer.
+Usage: python -m tests.browser.talk_embedded_session OUT_DIR
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from tests.browser.talk_mode_session import SCRIPT, SERVER_ADDRESS, microphone_f
 from tests.serving import serve
 
 MODEL_LOAD_S = 600.0
-# after the question: room for the whole answer (the tiny model talks at length) before the recording loops and
-# barges in
+# after the question: room for it to be heard (the test then mutes the microphone until the answer has played)
 SILENCE_S = 45.0
 PAGE_WAIT_MS = 150_000  # for each of the page's waits: the answer is spoken whole before the page is quiet
 NODE_TIMEOUT_S = 420  # the embedded LLM loads in the background: 15 s on idle cores, a minute on busy ones

@@ -39,6 +39,12 @@ async function run(mode) {
     recorder.connect(talk.audioContext.destination);
     window.recorded = chunks;
   });
+  // The user is quiet once heard: the recording loops, and its next question would barge in on an answer still being
+  // spoken (over WebRTC an answer lasts as long as it is spoken, and the tiny LLM can talk for minutes).
+  await page.waitForFunction(() => window.omnigate.turns.transcripts.length >= 1, null, { timeout: TIMEOUT_MS });
+  await page.evaluate(() => {
+    for (const track of window.omnigate.microphone.getAudioTracks()) track.enabled = false;
+  });
   await page.waitForFunction(
     (quietMs) => {
       const talk = window.omnigate;

@@ -42,7 +42,7 @@ def test_the_page_talks_with_the_embedded_agent(
     talk_run = talk_runs[mode]
     assert talk_run["transport"] == f"talking over {transport}", talk_run["console"]
     turns = talk_run["turns"]
-    assert turns["responses"][0] == "completed", talk_run["console"]
+    assert turns["responses"][0] == "completed", (turns, talk_run["console"])
     heard = set(turns["transcripts"][0].lower().replace("?", "").split())
     assert len(heard & QUESTION_WORDS) >= 2, turns["transcripts"]
     reply = turns["replies"][0]

@@ -213,7 +213,8 @@ def test_a_forward_that_fails_during_its_streams_decode_ends_it_typed_after_the_
     def failing(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
-        if calls == STEPS + 2:  # chunk 1's first step, while chunk 0 is in the VAE
+        if calls == STEPS + 2:  # chunk 1's first step, once chunk 0 is in the VAE
+            wait_until(lambda: held.calls >= 1)
             raise RuntimeError("transformer exploded")
         return forward(*args, **kwargs)
 
