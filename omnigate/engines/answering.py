@@ -38,12 +38,30 @@ class AnswerHandle(Protocol):
         so a repeated or late grant changes nothing. An answer at its credit pauses until the next grant."""
 
 
+class TurnHearing(Protocol):
+    """A user turn heard as it comes (:meth:`AnsweringEngine.turn_ahead`)."""
+
+    def hear(self, pcm: bytes) -> None:
+        """More of the turn's 24 kHz s16le speech, in order; never blocks."""
+
+    def close(self) -> None:
+        """The turn will not be finished (it was forgotten): what it holds may go."""
+
+
 class AnsweringEngine(Protocol):
     info: EngineInfo
 
     async def encode_audio(self, pcm: bytes) -> Any:
         """Audio tokens of a user turn's 24 kHz s16le speech; raises
         :class:`~omnigate.engines.base.EngineError` (``engine_busy``, ...)."""
+
+    def turn_ahead(self) -> TurnHearing | None:
+        """A user turn to hear as it comes, encoded meanwhile as far as it can be; None where the engine encodes a
+        turn only once it has ended."""
+
+    async def finish_turn(self, ahead: TurnHearing, pcm: bytes) -> Any:
+        """Audio tokens of the turn ``ahead`` heard, whose whole speech is ``pcm``: what :meth:`encode_audio` of
+        ``pcm`` gives; raises as it does."""
 
     def answer(
         self,

@@ -1,9 +1,11 @@
 """``--engine qwen3-omni`` (``preset:tiny`` on the CPU) through the real server: /v1/realtime answered by the model
 itself, with no LLM or recognizer, spoken and text turns (the spoken one's audio counted in /metrics by the input
-encoder); cancel mid-answer; the speech routes refused, typed."""
+encoder), a long turn encoded window by window while it is appended; cancel mid-answer; the speech routes refused,
+typed."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Iterator
@@ -46,11 +48,16 @@ async def answered(connection: Any) -> tuple[list[dict[str, Any]], dict[str, Any
     return events, events[-1]["response"]
 
 
-async def encoded_turns(server: RunningServer) -> float:
-    """User turns the engine's input encoder has encoded, as ``/metrics`` says."""
+async def encoder_counter(server: RunningServer, name: str) -> float:
+    """One of the engine's input encoder counters, as ``/metrics`` says."""
     async with httpx.AsyncClient(base_url=server.http_url) as client:
         metrics = parse_metrics((await client.get("/metrics")).text)
-    return metrics['omnigate_qwen3_omni_encoder_items_total{input="audio"}'][1]
+    return metrics[name][1]
+
+
+async def encoded_turns(server: RunningServer) -> float:
+    """User turns the engine's input encoder has encoded."""
+    return await encoder_counter(server, 'omnigate_qwen3_omni_encoder_items_total{input="audio"}')
 
 
 def transcript(events: list[dict[str, Any]]) -> str:
@@ -105,6 +112,30 @@ async def test_a_turn_server_vad_ends_is_answered_without_response_create(
         kinds = [e["type"] for e in events]
         assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("response.created")
         assert done["status"] in ("completed", "incomplete") and pcm_of(events, done["id"]) and transcript(events)
+
+
+async def test_a_long_turn_is_encoded_window_by_window_as_it_is_appended(omni_server: RunningServer) -> None:
+    ahead = "omnigate_qwen3_omni_encoder_windows_ahead_total"
+    kept = "omnigate_qwen3_omni_encoder_windows_kept_total"
+    async with realtime(omni_server) as connection:
+        await recv(connection)
+        await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        await recv(connection)
+        before = (await encoder_counter(omni_server, ahead), await encoder_counter(omni_server, kept))
+        turn = speech(17.5)
+        piece = 2 * 2400  # 100 ms appends, as a client streams its microphone
+        for start in range(0, len(turn), piece):
+            await connection.input_audio_buffer.append(audio=base64.b64encode(turn[start : start + piece]).decode())
+        # Two whole 8-s windows were encoded while the turn was still open (a speaker takes 17 s to say it).
+        deadline = asyncio.get_running_loop().time() + 120  # (bounds a failing run only)
+        while await encoder_counter(omni_server, ahead) < before[0] + 2:
+            assert asyncio.get_running_loop().time() < deadline, "the turn's windows were not encoded ahead"
+            await asyncio.sleep(0.05)
+        await connection.input_audio_buffer.commit()
+        await connection.response.create(response={"max_output_tokens": 4})
+        events, done = await answered(connection)
+        assert done["status"] in ("completed", "incomplete") and pcm_of(events, done["id"]), done
+        assert await encoder_counter(omni_server, kept) == before[1] + 2  # the turn's end encoded only the rest
 
 
 async def test_cancel_mid_answer_stops_it_and_the_next_answer_runs(omni_server: RunningServer) -> None:

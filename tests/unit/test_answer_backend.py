@@ -40,14 +40,36 @@ class Handle:
         self.grants.append(chunks)
 
 
+class Hearing:
+    """A turn heard ahead, recording what it heard."""
+
+    def __init__(self) -> None:
+        self.heard = bytearray()
+        self.closed = False
+
+    def hear(self, pcm: bytes) -> None:
+        assert not self.closed
+        self.heard += pcm
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class Engine:
-    """Records what it is asked; ``busy`` refuses as the real engine does with every slot answering."""
+    """Records what it is asked; ``busy`` refuses as the real engine does with every slot answering; ``hears``
+    hears turns as they come (``finish_busy``: the first finish is refused)."""
 
     info = INFO
 
-    def __init__(self, busy: bool = False, encoder_busy: bool = False) -> None:
+    def __init__(
+        self, busy: bool = False, encoder_busy: bool = False, hears: bool = False, finish_busy: bool = False
+    ) -> None:
         self.busy = busy
         self.encoder_busy = encoder_busy
+        self.hears = hears
+        self.finish_busy = finish_busy
+        self.hearings: list[Hearing] = []
+        self.finished: list[tuple[Hearing, bytes]] = []
         self.encoded: list[bytes] = []
         self.asked: list[tuple[list[PromptTurn], AnswerSink, Handle]] = []
         self.credit: list[int | None] = []
@@ -58,6 +80,19 @@ class Engine:
             raise EngineError("engine_busy", "too many inputs wait for the encoder")
         self.encoded.append(pcm)
         return f"tokens of {len(pcm)} bytes"
+
+    def turn_ahead(self) -> Hearing | None:
+        if not self.hears:
+            return None
+        self.hearings.append(Hearing())
+        return self.hearings[-1]
+
+    async def finish_turn(self, ahead: Hearing, pcm: bytes) -> Any:
+        self.finished.append((ahead, pcm))
+        if self.finish_busy:
+            self.finish_busy = False
+            raise EngineError("engine_busy", "too many inputs wait for the encoder")
+        return f"tokens of {len(ahead.heard)} heard, {len(pcm)} bytes"
 
     def answer(self, turns: Sequence[PromptTurn], sink: AnswerSink, **how: Any) -> Handle:
         if self.busy:
@@ -255,3 +290,39 @@ async def test_credit_returns_as_audio_reaches_the_outbox() -> None:
     sink.room.set()
     await asyncio.wait_for(sink.done.wait(), 5)
     assert handle.grants == [CREDIT_CHUNKS + 1, CREDIT_CHUNKS + 2]
+
+
+async def test_a_turn_heard_as_it_came_is_finished_with_its_rest_once() -> None:
+    engine = Engine(hears=True)
+    backend, _ = await started(engine)
+    assert backend.hears_turns
+    backend.hear_turn_audio(b"\x01\x00" * 30)
+    backend.hear_turn_audio(b"\x02\x00" * 20)
+    backend.turn_audio("item_1", b"\x03\x00" * 10)
+    [first] = engine.hearings
+    assert first.heard == b"\x01\x00" * 30 + b"\x02\x00" * 20
+    backend.answer(response("resp_1"), SETTINGS, [user_audio("item_1")])
+    await asyncio.wait_for(engine.asked_event.wait(), 5)
+    assert engine.asked[0][0] == [("user", "", "tokens of 100 heard, 120 bytes")]
+    assert engine.finished == [(first, bytes(first.heard) + b"\x03\x00" * 10)] and not engine.encoded
+    # the next turn is heard by a new hearing; one forgotten is closed and never finished
+    backend.hear_turn_audio(b"\x04\x00" * 5)
+    backend.forget_turn_audio()
+    assert len(engine.hearings) == 2 and engine.hearings[1].closed
+    backend.release()
+
+
+async def test_a_heard_turn_whose_finish_is_refused_is_encoded_whole_by_the_next_response() -> None:
+    engine = Engine(hears=True, finish_busy=True)
+    backend, sink = await started(engine)
+    backend.hear_turn_audio(b"\x01\x00" * 30)
+    backend.turn_audio("item_1", b"\x03\x00" * 10)
+    backend.answer(response("resp_1"), SETTINGS, [user_audio("item_1")])
+    await asyncio.wait_for(sink.done.wait(), 5)
+    assert sink.finished == [("failed", None, ("engine_busy", "too many inputs wait for the encoder"))]
+    backend.answer(response("resp_2"), SETTINGS, [user_audio("item_1")])
+    await asyncio.wait_for(engine.asked_event.wait(), 5)
+    assert engine.asked[0][0] == [("user", "", "tokens of 80 bytes")]
+    assert engine.encoded == [b"\x01\x00" * 30 + b"\x03\x00" * 10] and len(engine.finished) == 1
+    backend.release()
+    assert engine.hearings[0].closed

@@ -186,3 +186,75 @@ async def test_a_frame_an_earlier_question_still_encodes_is_awaited_not_encoded_
     assert [e.error for e in ends] == [None, None]
     assert (video_chat.frames_encoded_total, video_chat.frames_reused_total) == (1, 1)
     assert video_chat.turns.encoder.stats.frames == 1 and b"frame-1" in cache
+
+
+def speech_with_gaps(seconds: float, rate: int, seed: int, peak_s: float) -> bytes:
+    """Noise with digital silence in every 8-s window (values the log-mel clamp lifts to the turn's loudest frame
+    minus 8, so they change when a louder frame comes) and a loud burst at ``peak_s``, the turn's loudest."""
+    samples = (np.random.default_rng(seed).standard_normal(int(seconds * rate)) * 3000).clip(-9000, 9000)
+    for start in range(2, int(seconds), 4):
+        samples[int(start * rate) : int((start + 0.5) * rate)] = 0
+    burst = int(peak_s * rate)
+    samples[burst : burst + rate // 5] = 30000 * np.sin(np.arange(rate // 5) * 0.3)
+    return samples.astype("<i2").tobytes()
+
+
+def hear(ahead: Any, pcm: bytes, rate: int) -> None:
+    """``pcm`` heard in 100 ms pieces, as a session's turn in progress comes."""
+    piece = rate // 10 * 2
+    for start in range(0, len(pcm), piece):
+        ahead.hear(pcm[start : start + piece])
+
+
+async def counted(predicate: Any) -> None:
+    """Until the encoder's counters say so (the deadline only bounds a failing run)."""
+    deadline = asyncio.get_running_loop().time() + 120
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "the encoder never reached the expected count"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize(("peak_s", "kept"), [(1.0, 2), (18.5, 0)])
+async def test_a_turn_heard_as_it_comes_equals_its_whole_encode_with_the_windows_whose_features_stand(
+    model: Qwen3OmniModel, encoder: InputEncoder, peak_s: float, kept: int
+) -> None:
+    rate = 24_000
+    pcm = speech_with_gaps(19.0, rate, seed=3, peak_s=peak_s)
+    encoder.start()
+    ahead = encoder.turn_ahead(rate)
+    heard = int(17.5 * rate) * 2  # two whole 8-s windows and their margin, the rest comes at the end
+    hear(ahead, pcm[:heard], rate)
+    await counted(lambda: encoder.stats.windows_ahead >= 2)
+    tokens = await asyncio.wait_for(encoder.finish_turn(ahead, pcm), 120)
+    # a peak in the last seconds lifts every window's clamp: none stands, the whole turn is encoded at its end
+    assert encoder.stats.windows_kept == kept
+    expected = alone(model, pcm, rate)
+    assert tokens.shape == expected.shape
+    torch.testing.assert_close(tokens, expected, **TOLERANCE)
+
+
+async def test_a_window_whose_features_a_louder_frame_changed_is_encoded_again_while_heard(
+    model: Qwen3OmniModel, encoder: InputEncoder
+) -> None:
+    rate = 24_000
+    pcm = speech_with_gaps(19.0, rate, seed=4, peak_s=10.0)
+    encoder.start()
+    ahead = encoder.turn_ahead(rate)
+    first = int(8.5 * rate) * 2
+    hear(ahead, pcm[:first], rate)
+    await counted(lambda: encoder.stats.windows_ahead >= 1)
+    heard = int(17.5 * rate) * 2
+    hear(ahead, pcm[first:heard], rate)
+    await counted(lambda: encoder.stats.windows_ahead >= 3)  # window 1, and window 0 again under the new clamp
+    tokens = await asyncio.wait_for(encoder.finish_turn(ahead, pcm), 120)
+    assert (encoder.stats.windows_ahead, encoder.stats.windows_kept) == (3, 2)
+    torch.testing.assert_close(tokens, alone(model, pcm, rate), **TOLERANCE)
+
+
+async def test_a_turn_whose_heard_audio_cannot_be_read_fails_typed(encoder: InputEncoder) -> None:
+    encoder.start()
+    ahead = encoder.turn_ahead(24_000)
+    ahead.hear(b"\x00\x00" * 10)
+    with pytest.raises(EngineError) as refused:
+        await asyncio.wait_for(encoder.finish_turn(ahead, b"\x00" * 21), 120)  # half a sample at the end
+    assert refused.value.code == "invalid_audio"

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from omnigate.engines.answering import AnswerSink, PromptTurn
+from omnigate.engines.answering import AnswerSink, PromptTurn, TurnHearing
 from omnigate.engines.base import EngineError, EngineInfo
 from omnigate.engines.core.answer_protocol import (
     ENCODER,
@@ -84,6 +84,13 @@ class CoreAnswerClient:
     async def encode_audio(self, pcm: bytes) -> Speech:
         """The core encodes a turn's speech: it is carried as it is, with an id of this connection's."""
         return Speech(next(self._speech_ids), pcm)
+
+    def turn_ahead(self) -> TurnHearing | None:
+        """None: the core encodes a turn's speech when an answer carries it, whole."""
+        return None
+
+    async def finish_turn(self, ahead: TurnHearing, pcm: bytes) -> Speech:
+        raise RuntimeError("the engine core's client hears no turn ahead (turn_ahead gives None)")
 
     def answer(
         self,

@@ -7,13 +7,16 @@ call (:meth:`~omnigate.engines.qwen3_omni.model.Qwen3OmniModel.encode_audios`). 
 then costs one encoder forward, not one per session on as many threads contending for the GIL and the GPU. Each
 result equals that request's encode alone. The waiting requests are bounded (``engine_busy`` past it); a call that
 raises fails its requests typed, and a thread that dies fails every waiter and refuses new requests, so no session
-waits forever.
+waits forever. A realtime turn can also be heard as it comes (:meth:`InputEncoder.turn_ahead`): its whole 8-s windows
+are encoded on this thread while the user still speaks (:mod:`omnigate.engines.qwen3_omni.audio_ahead`), batched with
+whatever else waits, and its end encodes only the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -26,12 +29,12 @@ from transformers import WhisperFeatureExtractor
 
 from omnigate.codecs.resample import StreamResampler
 from omnigate.engines.base import EngineError
+from omnigate.engines.qwen3_omni.audio_ahead import ENCODER_RATE, HOP, TurnAhead
 from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.qwen3_omni.model import Qwen3OmniModel
 
 log = logging.getLogger(__name__)
 
-ENCODER_RATE = 16_000  # the audio encoder's log-mel features are of 16 kHz audio
 # What one call takes at most (a larger request still goes, alone): bounds the encoders' activations.
 MAX_CALL_FRAMES = 64
 MAX_CALL_AUDIO_S = 300.0
@@ -44,6 +47,7 @@ class _Request:
     frames: Sequence[np.ndarray] = ()
     pcm: bytes = b""
     rate: int = ENCODER_RATE
+    ahead: TurnAhead | None = None  # a turn heard as it came (``pcm`` is all of it)
 
     @property
     def is_audio(self) -> bool:
@@ -66,10 +70,12 @@ class InputEncoder:
         self.stats = EncoderStats()
         mel_bins = int(model.config.thinker_config.audio_config.num_mel_bins)
         self._features = WhisperFeatureExtractor(feature_size=mel_bins)  # type: ignore[no-untyped-call]
+        self._window_frames = int(model.config.thinker_config.audio_config.n_window_infer)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._waiting: list[_Request] = []
         self._taken: list[_Request] = []  # the call in progress (failed with the rest if the thread dies)
+        self._due: list[TurnAhead] = []  # turns heard ahead with a window to encode (each listed once at most)
         self._closed: EngineError | None = None
         self._thread: threading.Thread | None = None
 
@@ -88,6 +94,17 @@ class InputEncoder:
         """Audio tokens ``[n, hidden]`` of mono s16le ``pcm`` at ``rate``. Raises :class:`EngineError`
         (``engine_busy`` when too many requests wait, ``shutting_down``, ``internal_error``)."""
         tokens: torch.Tensor = await self._submit(pcm=pcm, rate=rate)
+        return tokens
+
+    def turn_ahead(self, rate: int) -> TurnAhead:
+        """A user turn of mono s16le audio at ``rate`` to hear as it comes (:meth:`TurnAhead.hear`, never blocking),
+        its whole windows encoded meanwhile; end it with :meth:`finish_turn`, or :meth:`TurnAhead.close` it."""
+        return TurnAhead(rate, self._window_frames, self._heard_window)
+
+    async def finish_turn(self, ahead: TurnAhead, pcm: bytes) -> torch.Tensor:
+        """Audio tokens of the turn ``ahead`` heard, whose whole audio is ``pcm``: equal to :meth:`audio` of it (the
+        windows encoded ahead are used only where their features are the whole turn's). Raises as :meth:`audio`."""
+        tokens: torch.Tensor = await self._submit(pcm=pcm, rate=ahead.rate, ahead=ahead)
         return tokens
 
     async def frames(self, frames: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -111,12 +128,20 @@ class InputEncoder:
             self._wake.notify()
         return await request.future
 
+    def _heard_window(self, ahead: TurnAhead) -> None:
+        """A turn heard ahead has a window to encode (the session's loop): the thread takes it with its next call."""
+        with self._lock:
+            if self._closed is None:
+                self._due.append(ahead)
+                self._wake.notify()
+
     def _close(self, error: EngineError) -> None:
         with self._lock:
             if self._closed is None:
                 self._closed = error
             failed, self._waiting = self._waiting + self._taken, []
             self._taken = []
+            self._due = []
             self._wake.notify_all()
         for request in failed:
             _settle(request, _copy(error))
@@ -127,14 +152,19 @@ class InputEncoder:
         try:
             while True:
                 with self._lock:
-                    while self._closed is None and not self._waiting:
+                    while self._closed is None and not self._waiting and not self._due:
                         self._wake.wait()
                     if self._closed is not None:
                         return
                     self._taken = self._take()
                     taken = list(self._taken)
-                self._encode([r for r in taken if not r.is_audio], self._encode_frames)
-                self._encode([r for r in taken if r.is_audio], self._encode_audio)
+                    due, self._due = self._due, []
+                frames = [r for r in taken if not r.is_audio]
+                if frames:
+                    self._encode(frames, self._encode_frames)
+                turns = [r for r in taken if r.is_audio]
+                if turns or due:
+                    self._encode(turns, functools.partial(self._encode_audio, due=due))
                 with self._lock:
                     self._taken = []
         except BaseException as exc:  # a dead thread answers no one: fail them all, refuse what comes
@@ -163,8 +193,6 @@ class InputEncoder:
         return taken
 
     def _encode(self, requests: list[_Request], call: Callable[[list[_Request]], Sequence[Any]]) -> None:
-        if not requests:
-            return
         try:
             results = call(requests)
         except Exception as exc:  # this call's requests fail, typed; the thread goes on
@@ -186,34 +214,85 @@ class InputEncoder:
         self.stats.largest_frame_call = max(self.stats.largest_frame_call, len(frames))
         return [[next(encoded).tokens for _ in request.frames] for request in requests]
 
-    def _encode_audio(self, requests: list[_Request]) -> list[torch.Tensor | EngineError]:
-        outcomes: list[torch.Tensor | EngineError] = []
-        features: list[torch.Tensor] = []
+    def _encode_audio(self, requests: list[_Request], due: list[TurnAhead]) -> list[torch.Tensor | EngineError]:
+        """The turns' audio, and the windows of the turns heard ahead that are due, in one encoder call."""
+        plans: list[_TurnPlan | EngineError] = []
         for request in requests:
             try:
-                features.append(self._log_mel(request.pcm, request.rate))
-                outcomes.append(features[-1])
+                plans.append(self._plan_turn(request))
             except Exception as exc:  # this turn's audio alone fails (the others still go)
-                outcomes.append(EngineError("invalid_audio", f"the audio could not be read: {exc}"))
-        if not features:
-            return outcomes
-        encoded = iter(self.model.encode_audios(features))
-        self.stats.audio_calls += 1
-        self.stats.audio_items += len(features)
-        self.stats.largest_audio_call = max(self.stats.largest_audio_call, len(features))
-        return [o if isinstance(o, EngineError) else next(encoded) for o in outcomes]
+                plans.append(EngineError("invalid_audio", f"the audio could not be read: {exc}"))
+        turn_features = [p.rest for p in plans if isinstance(p, _TurnPlan) and p.rest is not None]
+        windows = self._due_windows(due, sum(f.shape[-1] for f in turn_features))
+        features = turn_features + [window for _, _, window in windows]
+        encoded = iter(self.model.encode_audios(features) if features else [])
+        if features:
+            self.stats.audio_calls += 1
+            self.stats.audio_items += len(features)
+            self.stats.largest_audio_call = max(self.stats.largest_audio_call, len(features))
+            self.stats.windows_ahead += len(windows)
+        outcomes: list[torch.Tensor | EngineError] = []
+        for plan in plans:
+            if isinstance(plan, EngineError):
+                outcomes.append(plan)
+                continue
+            parts = plan.kept + ([next(encoded)] if plan.rest is not None else [])
+            self.stats.windows_kept += len(plan.kept)
+            outcomes.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        for ahead, index, window in windows:
+            ahead.encoded(index, window, next(encoded))
+        return outcomes
+
+    def _plan_turn(self, request: _Request) -> _TurnPlan:
+        """What encoding the turn takes: its features, or for a turn heard ahead the tokens of its windows that
+        stand and the features of the rest (None: nothing is left)."""
+        if request.ahead is None:
+            return _TurnPlan([], self._log_mel(request.pcm, request.rate))
+        kept, rest = request.ahead.finish(request.pcm, self._log_mel)
+        return _TurnPlan(kept, rest if rest.shape[-1] else None)
+
+    def _due_windows(self, due: list[TurnAhead], frames: int) -> list[tuple[TurnAhead, int, torch.Tensor]]:
+        """The windows the turns heard ahead have to encode, within the call's bound on audio (``frames`` of it
+        already taken): turns past it wait for the next call."""
+        bound = MAX_CALL_AUDIO_S * ENCODER_RATE / HOP
+        windows: list[tuple[TurnAhead, int, torch.Tensor]] = []
+        for position, ahead in enumerate(due):
+            if frames >= bound:
+                with self._lock:
+                    self._due = due[position:] + self._due
+                break
+            if ahead.closed:
+                continue  # ended (this call finished it) or forgotten
+            try:
+                found = ahead.windows_to_encode(self._mel)
+            except Exception:  # its end fails typed (invalid_audio); the others go on
+                log.exception("a turn heard ahead could not be read")
+                continue
+            windows += [(ahead, index, window) for index, window in found]
+            frames += sum(int(window.shape[-1]) for _, window in found)
+        return windows
 
     def _log_mel(self, pcm: bytes, rate: int) -> torch.Tensor:
         """The audio encoder's input ``[mel, frames]`` of s16le ``pcm`` at ``rate``."""
         if rate != ENCODER_RATE:
             resampler = StreamResampler(rate, ENCODER_RATE)
             pcm = resampler.process(pcm) + resampler.flush()
+        return self._mel(pcm)
+
+    def _mel(self, pcm: bytes) -> torch.Tensor:
+        """The log-mel features ``[mel, frames]`` of 16 kHz s16le ``pcm``."""
         audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
         features: Any = self._features(
             audio, sampling_rate=ENCODER_RATE, return_tensors="pt", padding="longest", truncation=False
         )
         tensor: torch.Tensor = features["input_features"][0]
         return tensor
+
+
+@dataclass
+class _TurnPlan:
+    kept: list[torch.Tensor]  # tokens of the windows encoded ahead that stand
+    rest: torch.Tensor | None  # features still to encode
 
 
 def _copy(error: EngineError) -> EngineError:

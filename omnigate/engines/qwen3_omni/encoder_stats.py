@@ -9,7 +9,8 @@ from dataclasses import dataclass
 @dataclass
 class EncoderStats:
     """What the encoder's thread did since it started: the calls of each encoder and what they carried (camera
-    frames and the questions that asked for them, user turns' audio); per call is items over calls."""
+    frames and the questions that asked for them, user turns' audio, the windows of turns heard ahead); per call is
+    items over calls."""
 
     frame_calls: int = 0
     frames: int = 0
@@ -18,4 +19,6 @@ class EncoderStats:
     audio_calls: int = 0
     audio_items: int = 0
     largest_audio_call: int = 0
+    windows_ahead: int = 0  # windows of turns in progress encoded while they were heard (again when they changed)
+    windows_kept: int = 0  # of those, windows whose tokens a turn's end used
     failed_calls: int = 0

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgspec
 import numpy as np
 
 from omnigate.engines.base import EngineError
@@ -33,7 +34,7 @@ from omnigate.engines.qwen3_omni.runner import AudioFrame, TextToken, TurnDone, 
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("device", "dtype", "seed", "max_sessions", "max_context")
+OPTIONS = ("device", "dtype", "seed", "max_sessions", "max_context", "audio_ahead")
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,14 @@ def pcm16(audio: np.ndarray) -> bytes:
 class Qwen3OmniEngine:
     """Runs the turns of every session on one worker thread; ``submit`` and ``cancel`` never block."""
 
-    def __init__(self, model: Qwen3OmniModel, *, max_sessions: int | None = None) -> None:
+    def __init__(self, model: Qwen3OmniModel, *, max_sessions: int | None = None, audio_ahead: bool = True) -> None:
         sessions = model.slots if max_sessions is None else max_sessions
         if not 0 < sessions <= model.slots:
             raise ValueError(f"max_sessions {sessions} must be between 1 and the model's {model.slots} slots")
         self.model = model
         self.max_sessions = sessions
         self.sample_rate = model.sample_rate
+        self.audio_ahead = audio_ahead  # realtime turns' audio encoded as it comes (the encoder's turn_ahead)
         self._runner = TurnRunner(model)
         # Inputs encoded on their own thread, batched (not on this worker: a burst's encode would stall every voice
         # in flight); each session waits on at most one turn's audio, or one question's frames and audio.
@@ -113,11 +115,13 @@ class Qwen3OmniEngine:
 
     @classmethod
     def load(cls, spec: str, **options: str) -> Qwen3OmniEngine:
-        """``--model SPEC`` with ``-E`` options: device, dtype, seed, max_sessions (slots), max_context."""
+        """``--model SPEC`` with ``-E`` options: device, dtype, seed, max_sessions (slots), max_context, audio_ahead
+        (default true: a realtime turn's whole windows are encoded while the user still speaks)."""
         unknown = set(options) - set(OPTIONS)
         if unknown:
             raise ValueError(f"unknown qwen3-omni option(s) {', '.join(sorted(unknown))}; known: {', '.join(OPTIONS)}")
         sessions = int(options.get("max_sessions", str(DEFAULT_SLOTS)))
+        audio_ahead = msgspec.convert(options.get("audio_ahead", "true"), bool, strict=False)
         model = load_model(
             spec,
             seed=int(options.get("seed", "0")),
@@ -127,7 +131,7 @@ class Qwen3OmniEngine:
             max_context=int(options.get("max_context", str(DEFAULT_MAX_CONTEXT))),
         )
         model.capture()
-        return cls(model, max_sessions=sessions)
+        return cls(model, max_sessions=sessions, audio_ahead=audio_ahead)
 
     def start(self) -> None:
         self.encoder.start()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from omnigate.engines.answering import AnswerHandle, AnswerSink, PromptTurn
+from omnigate.engines.answering import AnswerHandle, AnswerSink, PromptTurn, TurnHearing
 from omnigate.engines.base import (
     Engine,
     EngineCapabilities,
@@ -26,6 +26,7 @@ from omnigate.engines.base import (
     SynthesisParams,
     VoiceInfo,
 )
+from omnigate.engines.qwen3_omni.audio_ahead import TurnAhead
 from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.qwen3_omni.engine import Qwen3OmniEngine, TurnAudio, TurnEnd, TurnOutput, TurnText
 from omnigate.engines.qwen3_omni.runner import TurnRequest
@@ -96,6 +97,17 @@ class Qwen3OmniServing(Engine):
         (:class:`~omnigate.engines.qwen3_omni.encoder.InputEncoder`); raises EngineError ``engine_busy`` when too
         many wait."""
         return await self.turns.encoder.audio(pcm, INPUT_RATE)
+
+    def turn_ahead(self) -> TurnAhead | None:
+        """A realtime user turn heard as it comes, its whole 8-s windows encoded meanwhile (-E audio_ahead=false:
+        None, each turn encoded at its end)."""
+        return self.turns.encoder.turn_ahead(INPUT_RATE) if self.turns.audio_ahead else None
+
+    async def finish_turn(self, ahead: TurnHearing, pcm: bytes) -> torch.Tensor:
+        """Audio tokens of the turn ``ahead`` heard, whose whole speech is ``pcm``: equal to :meth:`encode_audio` of
+        ``pcm``."""
+        assert isinstance(ahead, TurnAhead)
+        return await self.turns.encoder.finish_turn(ahead, pcm)
 
     def answer(
         self,

@@ -221,6 +221,16 @@ def _encoder_metrics(stats: EncoderStats) -> Iterator[GaugeMetricFamily | Counte
     largest.add_metric(["audio"], stats.largest_audio_call)
     yield largest
     yield _counter("omnigate_qwen3_omni_encoder_failed_calls", "Encoder forwards that raised", stats.failed_calls)
+    yield _counter(
+        "omnigate_qwen3_omni_encoder_windows_ahead",
+        "8-s windows of user turns encoded while the user still spoke (again when a louder frame changed them)",
+        stats.windows_ahead,
+    )
+    yield _counter(
+        "omnigate_qwen3_omni_encoder_windows_kept",
+        "Windows encoded ahead whose tokens a turn's end used (their features equal to the whole turn's)",
+        stats.windows_kept,
+    )
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -2,14 +2,16 @@
 
 Each committed user turn's audio is kept (by item) and encoded into the model's audio tokens when a response needs
 it, by the engine (with the other sessions' waiting turns: ``engine_busy`` fails the response when too many
-wait); ``response.create`` (or a turn server VAD ended) hands the conversation to the engine, whose text
-comes back as the response's transcript and whose voice as its audio (at the engine's rate). The engine makes an
-answer faster than it plays: what the session's outbox has no room for waits here, in order, and goes on as the
-transport takes audio, so a client that plays in real time (a WebRTC track) is not overrun. The engine holds credit:
-an answer may make :data:`CREDIT_CHUNKS` audio chunks more than this session has handed to its outbox, and pauses
-(its thinker and talker are not stepped) until the outbox takes more, so what waits here is at most that much audio
-whatever the client's pace. Cancelling a response (``response.cancel``, barge-in, a failed outbox) cancels the
-engine's turn at once and drops what waits; truncation is the session core's, against the audio handed to the transport.
+wait). An engine that hears a turn as it comes (``turn_ahead``) is given the turn in progress, and encodes its whole
+windows while the user still speaks; the turn's end then encodes only the rest. ``response.create`` (or a turn
+server VAD ended) hands the conversation to the engine, whose text comes back as the response's transcript and whose
+voice as its audio (at the engine's rate). The engine makes an answer faster than it plays: what the session's outbox
+has no room for waits here, in order, and goes on as the transport takes audio, so a client that plays in real time
+(a WebRTC track) is not overrun. The engine holds credit: an answer may make :data:`CREDIT_CHUNKS` audio chunks more
+than this session has handed to its outbox, and pauses (its thinker and talker are not stepped) until the outbox takes
+more, so what waits here is at most that much audio whatever the client's pace. Cancelling a response
+(``response.cancel``, barge-in, a failed outbox) cancels the engine's turn at once and drops what waits; truncation is
+the session core's, against the audio handed to the transport.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
-from omnigate.engines.answering import AnswerHandle, AnsweringEngine, PromptTurn
+from omnigate.engines.answering import AnswerHandle, AnsweringEngine, PromptTurn, TurnHearing
 from omnigate.engines.base import EngineError
 from omnigate.gateway.realtime.backend import Backend, ResponseSink
 from omnigate.sessions.realtime.capabilities import RealtimeCapabilities, capabilities_for
@@ -48,6 +51,16 @@ class _End:
 _Output = str | bytes | _End  # transcript text, 24 kHz audio, the end
 
 
+@dataclass
+class _Heard:
+    """A committed turn the engine heard as it came: the whole turn's audio, and its encoding once a response asks
+    (one encoding, whichever responses await it; after a failure a retry encodes the PCM whole)."""
+
+    ahead: TurnHearing
+    pcm: bytes
+    encoding: asyncio.Task[Any] | None = None
+
+
 class ModelAnswerBackend(Backend):
     """One realtime session on an :class:`AnsweringEngine`: at most one answer in flight."""
 
@@ -59,7 +72,8 @@ class ModelAnswerBackend(Backend):
         self.sample_rate = engine.info.sample_rate
         self._sink: ResponseSink | None = None
         self._instructions = ""
-        self._audio: dict[str, object] = {}  # by user item: its turn's PCM, then (once encoded) its audio tokens
+        # by user item: its turn's PCM (or _Heard), then (once encoded) its audio tokens
+        self._audio: dict[str, object] = {}
         self._pcm: set[str] = set()  # the items of _audio still holding PCM
         self._response: Response | None = None
         self._task: asyncio.Task[None] | None = None
@@ -67,6 +81,9 @@ class ModelAnswerBackend(Backend):
         self._handed = 0  # audio chunks of the answer in flight handed to the session
         self._held: deque[tuple[Response, _Output]] = deque()  # the answer's outputs not yet handed to the session
         self._relay: asyncio.Task[None] | None = None
+        self._ahead = engine.turn_ahead()  # the turn in progress, heard as it comes (None: encoded at its end)
+        self._heard = bytearray()  # its audio so far
+        self.hears_turns = self._ahead is not None
 
     def start(self, sink: ResponseSink, config: RealtimeConfig) -> None:
         self._sink = sink
@@ -85,14 +102,32 @@ class ModelAnswerBackend(Backend):
         raise RuntimeError("the model answers the conversation; it does not speak given text")
 
     def turn_audio(self, item_id: str, pcm: bytes) -> None:
-        self._audio[item_id] = pcm
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            self._audio[item_id] = pcm
+        else:
+            self._audio[item_id] = _Heard(ahead, bytes(self._heard) + pcm)
+            self._heard.clear()
         self._pcm.add(item_id)
+
+    def hear_turn_audio(self, pcm: bytes) -> None:
+        if self._ahead is None:
+            self._ahead = self.engine.turn_ahead()
+        if self._ahead is not None:
+            self._ahead.hear(pcm)
+            self._heard += pcm
+
+    def forget_turn_audio(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+        self._heard.clear()
 
     def answer(self, response: Response, settings: ResponseSettings, conversation: list[Item]) -> None:
         self._stop()
         kept = {item.id for item in conversation}
         for item_id in [i for i in self._audio if i not in kept]:  # items the conversation forgot or deleted
-            del self._audio[item_id]
+            _drop(self._audio.pop(item_id))
             self._pcm.discard(item_id)
         turns: list[tuple[str, str, str | None]] = []
         for item in conversation:
@@ -120,10 +155,8 @@ class ModelAnswerBackend(Backend):
             tokens = None
             if audio_id is not None:
                 if audio_id in self._pcm:
-                    pcm = self._audio[audio_id]
-                    assert isinstance(pcm, bytes)
                     try:
-                        encoded = await self.engine.encode_audio(pcm)
+                        encoded = await self._encoded(audio_id)
                     except EngineError as exc:
                         self._refused(response, exc)
                         return
@@ -240,6 +273,24 @@ class ModelAnswerBackend(Backend):
             self._handle.cancel()
             self._handle = None
 
+    async def _encoded(self, audio_id: str) -> Any:
+        """The audio tokens of a committed turn whose PCM is held; raises EngineError."""
+        held = self._audio[audio_id]
+        if isinstance(held, bytes):
+            return await self.engine.encode_audio(held)
+        assert isinstance(held, _Heard)
+        if held.encoding is None:
+            held.encoding = asyncio.get_running_loop().create_task(
+                self.engine.finish_turn(held.ahead, held.pcm), name=f"realtime-turn-{audio_id}"
+            )
+        try:
+            return await asyncio.shield(held.encoding)  # a cancelled response leaves it to the next one
+        except EngineError:
+            if self._audio.get(audio_id) is held:
+                held.ahead.close()
+                self._audio[audio_id] = held.pcm  # the next response encodes it whole
+            raise
+
     def push_audio(self, pcm: bytes) -> bool:
         return True  # the session core keeps the turn's audio and commits it here (turn_audio)
 
@@ -251,8 +302,11 @@ class ModelAnswerBackend(Backend):
 
     def release(self) -> None:
         self._stop()
+        for held in self._audio.values():
+            _drop(held)
         self._audio.clear()
         self._pcm.clear()
+        self.forget_turn_audio()
         self._sink = None  # the session refers to this backend: no cycle outlives the session
 
 
@@ -271,3 +325,11 @@ class _Answer:
 
     def end(self, reason: str, code: str | None, message: str | None) -> None:
         self._backend.hold(self._response, _End(reason, code, message))
+
+
+def _drop(held: object) -> None:
+    """A turn's audio is forgotten: what its engine still holds of it may go."""
+    if isinstance(held, _Heard):
+        held.ahead.close()
+        if held.encoding is not None:
+            held.encoding.cancel()

@@ -118,7 +118,17 @@ class Backend(abc.ABC):
         """Free everything the session holds. Idempotent."""
 
     def turn_audio(self, item_id: str, pcm: bytes) -> None:  # noqa: B027 - only engines that answer use it
-        """The user's committed turn as audio (engines that answer the conversation themselves)."""
+        """The user's committed turn as audio (engines that answer the conversation themselves): with
+        :attr:`hears_turns`, only its audio not already given to :meth:`hear_turn_audio`."""
+
+    # Engines that answer and encode a turn's audio as it comes: the session core gives them the turn in progress.
+    hears_turns: bool = False
+
+    def hear_turn_audio(self, pcm: bytes) -> None:  # noqa: B027 - only engines that hear turns use it
+        """More of the user's turn in progress (24 kHz s16le), in order, from its start (:attr:`hears_turns`)."""
+
+    def forget_turn_audio(self) -> None:  # noqa: B027 - only engines that hear turns use it
+        """The turn being heard is no turn (the input buffer was cleared, turn detection restarted)."""
 
     def answer(self, response: Response, settings: ResponseSettings, conversation: list[Item]) -> None:
         """Answer ``conversation`` as ``response`` (engines that answer the conversation themselves)."""

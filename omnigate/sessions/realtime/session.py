@@ -199,7 +199,18 @@ class EngineSide(Protocol):
         """``ms`` of queued output audio left the outbox (sent or purged): room for more."""
 
     def turn_audio(self, item_id: str, pcm: bytes) -> None:
-        """The user's committed turn ``item_id`` as audio (engines that answer the conversation themselves)."""
+        """The user's committed turn ``item_id`` as audio (engines that answer the conversation themselves): with
+        :attr:`hears_turns`, only its audio not already given to :meth:`hear_turn_audio`."""
+
+    @property
+    def hears_turns(self) -> bool:
+        """Whether the engine (one that answers) encodes the turn in progress as it comes."""
+
+    def hear_turn_audio(self, pcm: bytes) -> None:
+        """More of the turn in progress, in order, from its start (:attr:`hears_turns`)."""
+
+    def forget_turn_audio(self) -> None:
+        """The turn being heard is no turn."""
 
     def answer(self, response: Response, settings: ResponseSettings, conversation: list[Item]) -> None:
         """Answer ``conversation`` as ``response`` (engines that answer the conversation themselves)."""
@@ -274,8 +285,11 @@ class RealtimeSession:
         self._vad_queue = bytearray()
         self._scoring = False
         self._turn_audio = TurnAudio(limits.input_max_bytes)
-        # a streaming recognizer hears each turn as it comes; this much of the turn in progress went to it
-        self._streaming = responder is not None and responder.transcription and responder.streaming_transcription
+        # a streaming recognizer, or an engine that answers and encodes ahead, hears each turn as it comes; this
+        # much of the turn in progress went to it
+        self._engine_hears = caps.answers_turns and engine.hears_turns
+        recognizer_hears = responder is not None and responder.transcription and responder.streaming_transcription
+        self._streaming = recognizer_hears or self._engine_hears
         self._heard_bytes = 0
         self.answering = Answering(self, responder, on_request) if responder is not None else None
 
@@ -956,12 +970,18 @@ class RealtimeSession:
     def _hear(self, pcm: bytes) -> None:
         if pcm:
             self._heard_bytes += len(pcm)
-            self.on_request(HearAudio(pcm))
+            if self._engine_hears:
+                self.engine.hear_turn_audio(pcm)
+            else:
+                self.on_request(HearAudio(pcm))
 
     def _forget_heard(self) -> None:
         if self._heard_bytes:
             self._heard_bytes = 0
-            self.on_request(ForgetAudio())
+            if self._engine_hears:
+                self.engine.forget_turn_audio()
+            else:
+                self.on_request(ForgetAudio())
 
     # ---- output -------------------------------------------------------------------------------------------------
 
