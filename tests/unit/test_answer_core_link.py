@@ -1,6 +1,7 @@
 """The core side of realtime answers (``ANSWER_*`` frames) on the real engine (``preset:tiny``, one slot): the
-hello, an answer's outputs in order then one end, the engine's admission as the refusal, and a dropped
-connection's answer cancelled at once so that its slot answers another connection's."""
+hello, an answer's outputs in order then one end, the engine's admission as the refusal, a dropped
+connection's answer cancelled at once so that its slot answers another connection's, and a turn heard as it came
+encoded window by window."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from omnigate.engines.core.framing import Frame, FrameDecoder, FrameError, Frame
 from omnigate.engines.qwen3_omni.engine import Qwen3OmniEngine
 from omnigate.engines.qwen3_omni.model import build_preset
 from omnigate.engines.qwen3_omni.serving import Qwen3OmniServing
+from tests.unit.test_qwen3_omni_encoder import counted
 
 
 @pytest.fixture
@@ -103,11 +105,11 @@ async def test_a_connections_speech_is_encoded_once_for_all_its_answers(serving:
     encoded: list[int] = []
     encode = serving.encode_audio
 
-    async def counted(pcm: bytes) -> Any:
+    async def counting(pcm: bytes) -> Any:
         encoded.append(len(pcm))
         return await encode(pcm)
 
-    serving.encode_audio = counted  # type: ignore[method-assign]
+    serving.encode_audio = counting  # type: ignore[method-assign]
     gateway = Gateway()
     link = AnswerLink(serving, gateway.send)
     speech = (np.random.default_rng(0).standard_normal(12_000) * 3000).astype("<i2").tobytes()
@@ -118,3 +120,25 @@ async def test_a_connections_speech_is_encoded_once_for_all_its_answers(serving:
         ended = decode_body((await gateway.until(FrameKind.ANSWER_ENDED, call)).body, AnswerEnded)
         assert ended.code is None
     assert encoded == [len(speech)]
+
+
+async def test_a_turn_heard_as_it_came_is_encoded_window_by_window_and_finished_by_its_answer() -> None:
+    serving = Qwen3OmniServing(Qwen3OmniEngine(build_preset("tiny", slots=1, max_context=512)))
+    try:
+        gateway = Gateway()
+        link = AnswerLink(serving, gateway.send)
+        speech = (np.random.default_rng(1).standard_normal(int(17.5 * 24_000)) * 3000).astype("<i2").tobytes()
+        for start in range(0, len(speech), 4800):  # 100 ms pieces, as the gateway hears them
+            link.handle(Frame(FrameKind.ANSWER_HEAR, 9, speech[start : start + 4800]))
+        await counted(lambda: serving.encoder_stats.windows_ahead >= 2)  # both whole windows, before the turn ends
+        request = AnswerOpen([TurnIn("user", "", speech, 9)], "", "ethan", 2, 4)
+        link.handle(Frame(FrameKind.ANSWER_OPEN, 1, ENCODER.encode(request)))
+        ended = decode_body((await gateway.until(FrameKind.ANSWER_ENDED, 1)).body, AnswerEnded)
+        assert ended.code is None
+        assert serving.encoder_stats.windows_kept == 2
+        # a turn forgotten is dropped: its speech, if an answer carried it after all, is encoded whole
+        link.handle(Frame(FrameKind.ANSWER_HEAR, 10, speech[:4800]))
+        link.handle(Frame(FrameKind.ANSWER_FORGET, 10, b""))
+        assert not link._hearings
+    finally:
+        await asyncio.to_thread(serving.shutdown)

@@ -258,3 +258,18 @@ async def test_a_turn_whose_heard_audio_cannot_be_read_fails_typed(encoder: Inpu
     with pytest.raises(EngineError) as refused:
         await asyncio.wait_for(encoder.finish_turn(ahead, b"\x00" * 21), 120)  # half a sample at the end
     assert refused.value.code == "invalid_audio"
+
+
+async def test_a_turn_whose_heard_pieces_cannot_be_read_is_encoded_whole_at_its_end(
+    model: Qwen3OmniModel, encoder: InputEncoder
+) -> None:
+    rate = 24_000
+    pcm = speech(9.0, rate, seed=5)
+    encoder.start()
+    ahead = encoder.turn_ahead(rate)
+    ahead.hear(b"\x00" * 3)  # half a sample: the heard audio is unreadable from here on
+    hear(ahead, pcm, rate)
+    await counted(lambda: ahead.broken)  # the encoder's thread read the pieces for the first window, and failed
+    tokens = await asyncio.wait_for(encoder.finish_turn(ahead, pcm), 120)
+    assert encoder.stats.windows_kept == 0
+    torch.testing.assert_close(tokens, alone(model, pcm, rate), **TOLERANCE)

@@ -3,8 +3,10 @@
 :func:`connect_answer_core` waits for the core to answer (it may still be loading the model), then a reader task hands
 the core's ``ANSWER_OUTPUTS`` and ``ANSWER_ENDED`` to the answers' sinks on this loop. A user turn's speech is not
 encoded here: :meth:`CoreAnswerClient.encode_audio` keeps the PCM (with an id), and the conversation's ``ANSWER_OPEN``
-carries it to the core, which encodes it once and keeps the encoding by that id. What the client sends goes out
-without waiting, bounded by the session's answers (one at a time) and their grants. When the connection drops, every
+carries it to the core, which encodes it once and keeps the encoding by that id. A turn in progress goes to the core
+as it is heard (``ANSWER_HEAR`` under the id its speech will carry), so the core encodes its whole windows meanwhile.
+What the client sends goes out without waiting, bounded by the session's answers (one at a time) and their grants,
+and by what the session's turn detection lets a turn hold. When the connection drops, every
 answer in flight ends with ``engine_unavailable`` and new ones are refused with it, typed, while the client connects
 again to the core the supervisor restarts.
 """
@@ -68,6 +70,24 @@ class _Handle:
         self._client._send(FrameKind.ANSWER_GRANT, self._call, ENCODER.encode(AnswerGrant(chunks)))
 
 
+class _CoreHearing:
+    """A user turn heard as it comes (:class:`~omnigate.engines.answering.TurnHearing`), sent on as it is heard."""
+
+    def __init__(self, client: CoreAnswerClient, speech_id: int) -> None:
+        self._client = client
+        self.speech_id = speech_id
+        self._closed = False
+
+    def hear(self, pcm: bytes) -> None:
+        for start in range(0, len(pcm), MAX_FRAME_BYTES):
+            self._client._send(FrameKind.ANSWER_HEAR, self.speech_id, pcm[start : start + MAX_FRAME_BYTES])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._client._send(FrameKind.ANSWER_FORGET, self.speech_id)
+
+
 class CoreAnswerClient:
     """The answering engine of an engine core, as the gateway's realtime sessions use it."""
 
@@ -85,12 +105,14 @@ class CoreAnswerClient:
         """The core encodes a turn's speech: it is carried as it is, with an id of this connection's."""
         return Speech(next(self._speech_ids), pcm)
 
-    def turn_ahead(self) -> TurnHearing | None:
-        """None: the core encodes a turn's speech when an answer carries it, whole."""
-        return None
+    def turn_ahead(self) -> TurnHearing:
+        """A turn heard as it comes, sent to the core as it is heard (the core encodes its whole windows)."""
+        return _CoreHearing(self, next(self._speech_ids))
 
     async def finish_turn(self, ahead: TurnHearing, pcm: bytes) -> Speech:
-        raise RuntimeError("the engine core's client hears no turn ahead (turn_ahead gives None)")
+        """The turn's speech, whole, under the id the core heard it by: the answer carrying it encodes the rest."""
+        assert isinstance(ahead, _CoreHearing)
+        return Speech(ahead.speech_id, pcm)
 
     def answer(
         self,

@@ -1,11 +1,12 @@
 """The core side of answers: one gateway connection's answers on the core's :class:`AnsweringEngine`.
 
 An ``ANSWER_OPEN`` encodes the conversation's speech off the loop (each speech once: later answers of the
-connection reuse its encoding), then submits the answer; the engine's admission
-(every slot answering: ``engine_busy``) is the core's, shared by every gateway connection, so several gateway
-workers admit exactly the engine's room. What the engine delivers for an answer in one turn of the core's loop
-leaves as one ``ANSWER_OUTPUTS``, its end as ``ANSWER_ENDED``; writes never wait (an answer makes no more audio than
-its session's credit). A connection that drops cancels its answers at once, freeing their slots.
+connection reuse its encoding), then submits the answer. A turn the gateway sent as it was heard (``ANSWER_HEAR``,
+under the speech id its answer carries) was encoded window by window meanwhile, and only its rest is encoded then.
+The engine's admission (every slot answering: ``engine_busy``) is the core's, shared by every gateway connection, so
+several gateway workers admit exactly the engine's room. What the engine delivers for an answer in one turn of the
+core's loop leaves as one ``ANSWER_OUTPUTS``, its end as ``ANSWER_ENDED``; writes never wait (an answer makes no more
+audio than its session's credit). A connection that drops cancels its answers at once, freeing their slots.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnigate.engines.answering import AnswerHandle, AnsweringEngine, PromptTurn
+from omnigate.engines.answering import AnswerHandle, AnsweringEngine, PromptTurn, TurnHearing
 from omnigate.engines.base import EngineError
 from omnigate.engines.core.answer_protocol import (
     ENCODER,
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 # The encoded speech a connection's answers reuse (by the gateway's speech id), least recently used dropped first:
 # at most this many audio-token rows (about 87 minutes of speech at 12.5 rows a second).
 ENCODED_ROWS = 65_536
+# Turns a connection is hearing (in progress, or committed and not yet answered), the oldest forgotten past it: a turn
+# forgotten early is encoded whole when its answer comes.
+MAX_HEARINGS = 512
 
 Send = Callable[[bytes], None]
 """Writes bytes on the connection without waiting."""
@@ -60,6 +64,7 @@ class AnswerLink:
         self._pending: list[_Answer] = []  # answers with outputs to flush this loop turn
         self._encoded: OrderedDict[int, Any] = OrderedDict()  # speech id -> audio tokens; ENCODED_ROWS at most
         self._encoded_rows = 0
+        self._hearings: OrderedDict[int, TurnHearing] = OrderedDict()  # by speech id; MAX_HEARINGS at most
         self._flush_scheduled = False
 
     def handle(self, frame: Frame) -> None:
@@ -77,6 +82,12 @@ class AnswerLink:
             cancelled = self._answers.pop(call, None)
             if cancelled is not None:
                 self._stop(cancelled)
+        elif kind is FrameKind.ANSWER_HEAR:
+            self._hear(call, frame.body)
+        elif kind is FrameKind.ANSWER_FORGET:
+            forgotten = self._hearings.pop(call, None)
+            if forgotten is not None:
+                forgotten.close()
         elif kind is FrameKind.ANSWER_GRANT:
             chunks = decode_body(frame.body, AnswerGrant).chunks
             granted = self._answers.get(call)
@@ -92,6 +103,9 @@ class AnswerLink:
         answers, self._answers = list(self._answers.values()), {}
         for answer in answers:
             self._stop(answer)
+        hearings, self._hearings = list(self._hearings.values()), OrderedDict()
+        for hearing in hearings:
+            hearing.close()
 
     # ---- internals --------------------------------------------------------------------------------------------
 
@@ -129,12 +143,26 @@ class AnswerLink:
         finally:
             answer.starting = None
 
+    def _hear(self, speech_id: int, pcm: bytes) -> None:
+        hearing = self._hearings.get(speech_id)
+        if hearing is None:
+            hearing = self._engine.turn_ahead()
+            if hearing is None:
+                return  # the engine encodes a turn at its end only
+            self._hearings[speech_id] = hearing
+            if len(self._hearings) > MAX_HEARINGS:
+                self._hearings.popitem(last=False)[1].close()
+        hearing.hear(pcm)
+
     async def _encode(self, speech: bytes, speech_id: int) -> Any:
         cached = self._encoded.get(speech_id)
         if cached is not None:
             self._encoded.move_to_end(speech_id)
             return cached
-        tokens: Any = await self._engine.encode_audio(speech)
+        hearing = self._hearings.pop(speech_id, None)
+        tokens: Any = await (
+            self._engine.encode_audio(speech) if hearing is None else self._engine.finish_turn(hearing, speech)
+        )
         rows = len(tokens)
         if speech_id in self._encoded or rows > ENCODED_ROWS:
             return tokens  # (encoded meanwhile by another answer, or too long to keep)

@@ -28,7 +28,7 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024
 class FrameKind(enum.IntEnum):
     """What a frame carries. Gateway to core: OPEN, CANCEL, CONTROL, STATS, the duplex calls DUPLEX_HELLO,
     DUPLEX_OPEN, DUPLEX_AUDIO, DUPLEX_CLEAR, DUPLEX_GRANT, DUPLEX_CLOSE and the answer calls ANSWER_HELLO, ANSWER_OPEN,
-    ANSWER_CANCEL, ANSWER_GRANT. Core to gateway: the rest."""
+    ANSWER_CANCEL, ANSWER_GRANT, ANSWER_HEAR, ANSWER_FORGET. Core to gateway: the rest."""
 
     OPEN = 1  # start a stream call: an ``OpenStream``
     STREAM = 2  # one message of a stream call: ``Opened``, ``Refused`` or ``Outputs``
@@ -56,6 +56,8 @@ class FrameKind(enum.IntEnum):
     ANSWER_GRANT = 24  # the answer's session took more audio: an ``AnswerGrant``
     ANSWER_OUTPUTS = 25  # the answer's text and audio made in one turn of the core's loop: an ``AnswerOutputs``
     ANSWER_ENDED = 26  # the answer ended (or was refused): an ``AnswerEnded``, last
+    ANSWER_HEAR = 27  # more of a user turn in progress, s16le 24 kHz PCM, the body itself; call: its speech id
+    ANSWER_FORGET = 28  # the turn heard under the speech id ``call`` will not be answered; empty body
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)

@@ -63,7 +63,7 @@ class TurnAhead:
         self._asked = 0  # windows whose audio had come when the encoder was last woken
         self._woken = False
         self._closed = False
-        self._error: str | None = None  # the heard audio could not be read: the turn's end fails typed
+        self._broken = False  # the heard audio could not be read: the turn is encoded whole at its end
         # the encoder's thread only
         self._resampler = StreamResampler(rate, ENCODER_RATE)
         self._audio = bytearray()  # 16 kHz s16le of the turn so far
@@ -97,6 +97,11 @@ class TurnAhead:
         with self._lock:
             return self._closed
 
+    @property
+    def broken(self) -> bool:
+        """The audio heard could not be read: nothing is encoded ahead, the turn is encoded whole at its end."""
+        return self._broken
+
     # ---- the encoder's thread ---------------------------------------------------------------------------------
 
     def windows_to_encode(self, features: Features) -> list[tuple[int, torch.Tensor]]:
@@ -104,10 +109,12 @@ class TurnAhead:
         audio heard since changed. Call :meth:`encoded` with each one's tokens."""
         with self._lock:
             self._woken = False
+        if self._broken:
+            return []
         try:
             self._take_heard()
-        except Exception as exc:  # what was heard is lost: the whole turn cannot be encoded either
-            self._error = str(exc)
+        except Exception:  # (the whole turn, given at its end, is what counts: it is encoded then)
+            self._broken = True
             raise
         whole = self._whole_windows(len(self._audio) // 2)
         with self._lock:
@@ -134,15 +141,13 @@ class TurnAhead:
     def finish(self, pcm: bytes, features: TurnFeatures) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The turn ended; ``pcm`` is all of it, at :attr:`rate`: the tokens of its first windows whose features are
         the whole turn's, and the features of the rest of the turn, from the first window that is not. Raises what
-        reading the audio raised (here or while it was heard)."""
+        reading ``pcm`` raises."""
         self.close()
-        if self._error is not None:
-            raise ValueError(self._error)
         self._new.clear()
         self._audio = bytearray()
         whole = features(pcm, self.rate)
         kept: list[torch.Tensor] = []
-        for index, window in enumerate(self.windows):
+        for index, window in enumerate([] if self._broken else self.windows):
             if not torch.equal(window.features, self._slice(whole, index)):
                 break
             kept.append(window.tokens)

@@ -265,7 +265,7 @@ class InputEncoder:
                 continue  # ended (this call finished it) or forgotten
             try:
                 found = ahead.windows_to_encode(self._mel)
-            except Exception:  # its end fails typed (invalid_audio); the others go on
+            except Exception:  # it is encoded whole at its end; the others go on
                 log.exception("a turn heard ahead could not be read")
                 continue
             windows += [(ahead, index, window) for index, window in found]
