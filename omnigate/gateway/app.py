@@ -19,6 +19,7 @@ from omnigate.engines.admission import AdmissionSettings
 from omnigate.engines.base import Engine
 from omnigate.engines.pool import EnginePool
 from omnigate.engines.pool_api import EnginePoolAPI
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.engines.registry import load_engine
 from omnigate.gateway.errors import routing_error
 from omnigate.gateway.ops import info
@@ -154,6 +155,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             app.state.realtime = await start_realtime(settings, pool, reports)
             duplex = app.state.realtime.duplex
             gateway.duplex_stats = duplex.stats if duplex is not None else None
+            encoder_stats = getattr(app.state.realtime.answerer, "encoder_stats", None)
+            gateway.encoder_stats = encoder_stats if isinstance(encoder_stats, EncoderStats) else None
             await start_robot(gateway, metrics)
             yield
         finally:
@@ -164,6 +167,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Starlette:
             await webrtc.close_all()
             gateway.pool = None
             gateway.duplex_stats = None
+            gateway.encoder_stats = None
             gateway.omni_stats = None
             await stop_pool()
             await stop_video_engine(app.state.video_engine)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from omnigate.engines.duplex.stats import ClockStats
 from omnigate.engines.omni.stats import ThinkerStats
 from omnigate.engines.pool_api import EnginePoolAPI
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 from omnigate.gateway.settings import Settings
 from omnigate.sessions.registry import SessionRegistry
 from omnigate.sessions.speech import SessionLimits
@@ -28,6 +29,8 @@ class Gateway:
     robot_pool: PolicyPool | None = None  # the robot policy scheduler, when --robot-model names a policy
     robot_decoder: ObservationDecoder | None = None  # the robot route's observation-decoding threads, beside it
     duplex_stats: ClockStats | None = None  # the duplex engine's tick clock, when one serves /v1/realtime
+    # the Qwen3-Omni input encoder's counters (in this process, or as the engine core last sent them)
+    encoder_stats: EncoderStats | None = None
     omni_stats: ThinkerStats | None = None  # the omni thinker's worker loop, when one serves video chat
 
     @property

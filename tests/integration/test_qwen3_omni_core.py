@@ -1,5 +1,6 @@
 """``omnigate serve --engine qwen3-omni --engine-process core --workers 2``: the model in the engine-core process,
-its realtime answers asked for by the gateway workers over the core's socket. Real serve processes, real realtime
+its realtime answers asked for by the gateway workers over the core's socket, a long turn encoded in the core as the
+worker hears it (the core's encoder counters on each worker's ``/metrics``). Real serve processes, real realtime
 clients; every wait is on a protocol event or on a state the server reports."""
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import websockets
 
+from omnigate.loadtest.metrics import parse_metrics
 from tests.integration.test_duplex_core import Urls
 from tests.integration.test_engine_core import core_server
 from tests.integration.test_realtime_qwen3_omni import FRAME_BYTES, answered, speech, transcript
@@ -71,6 +74,39 @@ async def test_spoken_turns_are_answered_by_the_core_and_its_one_slot_is_shared_
             await second.response.create(response={"max_output_tokens": 4})
             events, done = await answered(second)
             assert done["status"] in ("completed", "incomplete") and pcm_of(events, done["id"])
+
+
+async def core_encoder(port: int, name: str) -> float:
+    """A counter of the core's input encoder, as a gateway worker's ``/metrics`` last had it from the core."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        return parse_metrics((await client.get("/metrics")).text)[f"omnigate_qwen3_omni_encoder_{name}_total"][1]
+
+
+async def until_counted(port: int, name: str, at_least: float) -> None:
+    deadline = asyncio.get_running_loop().time() + 120  # (bounds a failing run only)
+    while await core_encoder(port, name) < at_least:
+        assert asyncio.get_running_loop().time() < deadline, f"the core's {name} never reached {at_least}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_long_turn_is_encoded_in_the_core_as_the_worker_hears_it(tmp_path: Path) -> None:
+    async with core_server(tmp_path, OMNI) as server:
+        await server.wait_workers_started(2)
+        async with realtime(Urls(server.port)) as connection:
+            await recv(connection)
+            await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            await recv(connection)
+            turn = speech(17.5)
+            for start in range(0, len(turn), 4800):  # 100 ms appends
+                await connection.input_audio_buffer.append(audio=base64.b64encode(turn[start : start + 4800]).decode())
+            # Both whole windows encoded in the core before the turn is committed: whichever worker answers
+            # /metrics, its copy of the core's counters says so (pushed once a second).
+            await until_counted(server.port, "windows_ahead", 2)
+            await connection.input_audio_buffer.commit()
+            await connection.response.create(response={"max_output_tokens": 4})
+            events, done = await answered(connection)
+            assert done["status"] in ("completed", "incomplete") and pcm_of(events, done["id"]), done
+            await until_counted(server.port, "windows_kept", 2)
 
 
 async def test_a_killed_core_fails_the_answer_typed_and_answers_return_with_it(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def open_frame(call: int, tokens: int, credit: int | None = None) -> Frame:
 
 async def test_an_answer_streams_its_outputs_then_ends_once(serving: Qwen3OmniServing) -> None:
     gateway = Gateway()
-    link = AnswerLink(serving, gateway.send)
+    link = AnswerLink(serving, gateway.send, lambda: 0)
     link.handle(Frame(FrameKind.ANSWER_HELLO, 0, b""))
     assert decode_body(gateway.frames[0].body, AnswerInfo).info == serving.info
     link.handle(open_frame(7, 4))
@@ -80,13 +80,14 @@ async def test_an_answer_streams_its_outputs_then_ends_once(serving: Qwen3OmniSe
     ]
     assert any(isinstance(o, TextDelta) for o in outputs) and any(isinstance(o, AudioChunk) for o in outputs)
     assert gateway.frames[-1].kind is FrameKind.ANSWER_ENDED  # last
+    link.close()  # (stops the encoder counters it pushes since the hello)
     with pytest.raises(FrameError):
         link.handle(Frame(FrameKind.ANSWER_INFO, 0, b""))
 
 
 async def test_a_dropped_connection_frees_its_slot_for_another(serving: Qwen3OmniServing) -> None:
     first, second = Gateway(), Gateway()
-    dropped, other = AnswerLink(serving, first.send), AnswerLink(serving, second.send)
+    dropped, other = AnswerLink(serving, first.send, lambda: 0), AnswerLink(serving, second.send, lambda: 0)
     dropped.handle(open_frame(1, 200, credit=2))  # pauses after two frames: it holds the slot
     await first.until(FrameKind.ANSWER_OUTPUTS, 1)
     other.handle(open_frame(1, 4))
@@ -111,7 +112,7 @@ async def test_a_connections_speech_is_encoded_once_for_all_its_answers(serving:
 
     serving.encode_audio = counting  # type: ignore[method-assign]
     gateway = Gateway()
-    link = AnswerLink(serving, gateway.send)
+    link = AnswerLink(serving, gateway.send, lambda: 0)
     speech = (np.random.default_rng(0).standard_normal(12_000) * 3000).astype("<i2").tobytes()
     for call in (1, 2):
         turns = [TurnIn("user", "", speech, 5), TurnIn("assistant", "hi"), TurnIn("user", "and?")]
@@ -126,7 +127,7 @@ async def test_a_turn_heard_as_it_came_is_encoded_window_by_window_and_finished_
     serving = Qwen3OmniServing(Qwen3OmniEngine(build_preset("tiny", slots=1, max_context=512)))
     try:
         gateway = Gateway()
-        link = AnswerLink(serving, gateway.send)
+        link = AnswerLink(serving, gateway.send, lambda: 0)
         speech = (np.random.default_rng(1).standard_normal(int(17.5 * 24_000)) * 3000).astype("<i2").tobytes()
         for start in range(0, len(speech), 4800):  # 100 ms pieces, as the gateway hears them
             link.handle(Frame(FrameKind.ANSWER_HEAR, 9, speech[start : start + 4800]))

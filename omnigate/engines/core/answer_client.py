@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omnigate.engines.answering import AnswerSink, PromptTurn, TurnHearing
 from omnigate.engines.base import EngineError, EngineInfo
@@ -42,6 +42,7 @@ from omnigate.engines.core.framing import (
     encode_frame,
 )
 from omnigate.engines.core.link import Connection, first_hello, hello_again, read_frames
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class CoreAnswerClient:
         self._ids = itertools.count(1)
         self._speech_ids = itertools.count(1)
         self._sinks: dict[int, AnswerSink] = {}  # answers in flight; at most one per session
+        self.encoder_stats = EncoderStats()  # the core's, as of its last ANSWER_STATS (the gateway's /metrics)
         self._writer: asyncio.StreamWriter | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(connection), name="answer-core-client")
 
@@ -170,6 +172,11 @@ class CoreAnswerClient:
                 self._writer.write(encode_frame(kind, call, body))
 
     def _receive(self, frame: Frame) -> None:
+        if frame.kind is FrameKind.ANSWER_STATS:
+            stats = decode_body(frame.body, EncoderStats)
+            for item in fields(EncoderStats):  # in place: the gateway's metrics hold this object
+                setattr(self.encoder_stats, item.name, getattr(stats, item.name))
+            return
         sink = self._sinks.get(frame.call)
         if frame.kind is FrameKind.ANSWER_OUTPUTS:
             outputs = decode_body(frame.body, AnswerOutputs).outputs

@@ -6,7 +6,8 @@ under the speech id its answer carries) was encoded window by window meanwhile, 
 The engine's admission (every slot answering: ``engine_busy``) is the core's, shared by every gateway connection, so
 several gateway workers admit exactly the engine's room. What the engine delivers for an answer in one turn of the
 core's loop leaves as one ``ANSWER_OUTPUTS``, its end as ``ANSWER_ENDED``; writes never wait (an answer makes no more
-audio than its session's credit). A connection that drops cancels its answers at once, freeing their slots.
+audio than its session's credit). The engine's input encoder counters go to the gateway as ``ANSWER_STATS`` (for its
+``/metrics``). A connection that drops cancels its answers at once, freeing their slots.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from omnigate.engines.core.answer_protocol import (
     TextDelta,
 )
 from omnigate.engines.core.framing import Frame, FrameError, FrameKind, decode_body, encode_frame
+from omnigate.engines.core.stats_push import push_stats
+from omnigate.engines.qwen3_omni.encoder_stats import EncoderStats
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +60,11 @@ class _Answer:
 class AnswerLink:
     """The answers of one gateway connection. Runs on the core's event loop."""
 
-    def __init__(self, engine: AnsweringEngine, send: Send) -> None:
+    def __init__(self, engine: AnsweringEngine, send: Send, backlog: Callable[[], int]) -> None:
         self._engine = engine
         self._send = send
+        self._backlog = backlog
+        self._stats: asyncio.Task[None] | None = None
         self._answers: dict[int, _Answer] = {}  # by the gateway's answer id; bounded by the engine's slots
         self._pending: list[_Answer] = []  # answers with outputs to flush this loop turn
         self._encoded: OrderedDict[int, Any] = OrderedDict()  # speech id -> audio tokens; ENCODED_ROWS at most
@@ -72,6 +77,10 @@ class AnswerLink:
         kind, call = frame.kind, frame.call
         if kind is FrameKind.ANSWER_HELLO:
             self._send(encode_frame(FrameKind.ANSWER_INFO, 0, ENCODER.encode(AnswerInfo(self._engine.info))))
+            stats = getattr(self._engine, "encoder_stats", None)
+            if isinstance(stats, EncoderStats) and self._stats is None:
+                pushing = push_stats(stats, FrameKind.ANSWER_STATS, self._send, self._backlog)
+                self._stats = asyncio.get_running_loop().create_task(pushing, name="answer-core-stats")
         elif kind is FrameKind.ANSWER_OPEN:
             if call in self._answers:
                 raise FrameError(f"answer {call} is already open")
@@ -100,6 +109,8 @@ class AnswerLink:
 
     def close(self) -> None:
         """The connection is gone: stop every answer it held now."""
+        if self._stats is not None:
+            self._stats.cancel()
         answers, self._answers = list(self._answers.values()), {}
         for answer in answers:
             self._stop(answer)

@@ -15,8 +15,6 @@ from omnigate.engines.base import EngineInfo
 from omnigate.engines.duplex.session import DuplexFrame
 from omnigate.engines.duplex.stats import ClockStats
 
-STATS_INTERVAL_S = 1.0  # the core sends the clock's counters this often, and only when they changed
-
 
 class DuplexInfo(msgspec.Struct, frozen=True):
     """The answer to DUPLEX_HELLO: what a gateway needs to serve the engine's sessions."""

@@ -12,7 +12,6 @@ slots are shared by every gateway connection, so only the core can admit exactly
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from omnigate.engines.core.duplex_protocol import (
     ENCODER,
-    STATS_INTERVAL_S,
     DuplexEnded,
     DuplexGrant,
     DuplexInfo,
@@ -29,15 +27,13 @@ from omnigate.engines.core.duplex_protocol import (
     SessionFrame,
 )
 from omnigate.engines.core.framing import Frame, FrameError, FrameKind, decode_body, encode_frame
+from omnigate.engines.core.stats_push import push_stats
 from omnigate.engines.duplex.session import DuplexClosed, DuplexFrame, DuplexFull, DuplexSession
 
 if TYPE_CHECKING:
     from omnigate.engines.duplex.engine import DuplexEngine
 
 log = logging.getLogger(__name__)
-
-# Past this much unsent output the gateway is not reading: a stats message waits for the next interval.
-STATS_BACKLOG_BYTES = 1024 * 1024
 
 
 # A tick's frames cross as one message up to this many sessions (an 80 ms frame is ~4 KB: ~2 MB, well within a
@@ -115,7 +111,8 @@ class DuplexLink:
         )
         self._send(encode_frame(FrameKind.DUPLEX_INFO, 0, ENCODER.encode(info)))
         if self._stats is None:
-            self._stats = asyncio.get_running_loop().create_task(self._send_stats(), name="duplex-core-stats")
+            pushing = push_stats(self._engine.stats, FrameKind.DUPLEX_STATS, self._send, self._backlog)
+            self._stats = asyncio.get_running_loop().create_task(pushing, name="duplex-core-stats")
 
     def _open(self, call: int, request: DuplexOpen) -> None:
         served: _Served | None = None
@@ -160,13 +157,3 @@ class DuplexLink:
         for start in range(0, len(frames), TICK_FRAMES_PER_MESSAGE):
             tick = DuplexTick(frames[start : start + TICK_FRAMES_PER_MESSAGE])
             self._send(encode_frame(FrameKind.DUPLEX_TICK, 0, ENCODER.encode(tick)))
-
-    async def _send_stats(self) -> None:
-        last = b""
-        while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
-            body = ENCODER.encode(self._engine.stats)
-            if body != last and self._backlog() < STATS_BACKLOG_BYTES:
-                last = body
-                with contextlib.suppress(ConnectionError, OSError):
-                    self._send(encode_frame(FrameKind.DUPLEX_STATS, 0, body))

@@ -58,6 +58,7 @@ class FrameKind(enum.IntEnum):
     ANSWER_ENDED = 26  # the answer ended (or was refused): an ``AnswerEnded``, last
     ANSWER_HEAR = 27  # more of a user turn in progress, s16le 24 kHz PCM, the body itself; call: its speech id
     ANSWER_FORGET = 28  # the turn heard under the speech id ``call`` will not be answered; empty body
+    ANSWER_STATS = 29  # the engine's input encoder counters (an ``EncoderStats``), at most once a second; call 0
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)

@@ -120,7 +120,8 @@ class CoreConnection:
         if self._answers is None:
             if self._answering is None:
                 raise FrameError("this engine core serves no engine that answers conversations")
-            self._answers = AnswerLink(self._answering, self._writer.write)
+            transport = self._writer.transport
+            self._answers = AnswerLink(self._answering, self._writer.write, transport.get_write_buffer_size)
         return self._answers
 
     async def _unary(self, call: int, reply: Awaitable[bytes]) -> None:

@@ -134,9 +134,8 @@ class _GatewayCollector(Collector):
         yield failed
         if isinstance(pool, RemoteEnginePool):
             yield from _remote_engine_metrics(list(pool.replica_stats().values()))
-        encoder = getattr(getattr(pool, "engine", None), "encoder_stats", None)  # qwen3-omni in this process
-        if isinstance(encoder, EncoderStats):
-            yield from _encoder_metrics(encoder)
+        if gw.encoder_stats is not None:
+            yield from _encoder_metrics(gw.encoder_stats)
 
 
 def _histogram(
