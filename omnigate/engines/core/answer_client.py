@@ -77,14 +77,16 @@ class _CoreHearing:
     def __init__(self, client: CoreAnswerClient, speech_id: int) -> None:
         self._client = client
         self.speech_id = speech_id
+        self._sent = False  # the core holds something of this turn
         self._closed = False
 
     def hear(self, pcm: bytes) -> None:
         for start in range(0, len(pcm), MAX_FRAME_BYTES):
             self._client._send(FrameKind.ANSWER_HEAR, self.speech_id, pcm[start : start + MAX_FRAME_BYTES])
+            self._sent = True
 
     def close(self) -> None:
-        if not self._closed:
+        if self._sent and not self._closed:
             self._closed = True
             self._client._send(FrameKind.ANSWER_FORGET, self.speech_id)
 
