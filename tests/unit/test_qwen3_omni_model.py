@@ -67,8 +67,11 @@ def _run(
     return {i: (text[i], frames[i], done[i]) for i in ids}
 
 
-def _reference(model: Qwen3OmniModel, prompt: list[int]) -> tuple[list[int], list[list[int]], np.ndarray]:
-    """transformers' greedy thinker tokens, talker codes (as Code2Wav receives them) and waveform for ``prompt``."""
+def _reference(
+    model: Qwen3OmniModel, prompt: list[int], frames: int = MAX_FRAMES, **inputs: Any
+) -> tuple[list[int], list[list[int]], np.ndarray]:
+    """transformers' greedy thinker tokens, talker codes (as Code2Wav receives them) and waveform for ``prompt``,
+    with ``inputs`` (audio features, pixels) and at most ``frames`` codec frames."""
     whole: Any = model.whole
     seen: dict[str, torch.Tensor] = {}
     decode = whole.code2wav.chunked_decode
@@ -81,12 +84,13 @@ def _reference(model: Qwen3OmniModel, prompt: list[int]) -> tuple[list[int], lis
     try:
         sequences, wav = whole.generate(
             torch.tensor([prompt]),
+            **inputs,
             speaker="ethan",
             thinker_max_new_tokens=MAX_TOKENS,
             thinker_eos_token_id=model.tokenizer.im_end,
             thinker_do_sample=False,
             talker_do_sample=False,
-            talker_max_new_tokens=MAX_FRAMES + 1,
+            talker_max_new_tokens=frames + 1,
         )
     finally:
         del whole.code2wav.chunked_decode
@@ -178,31 +182,12 @@ def test_spoken_turn_equals_transformers_generate_with_the_same_audio(model: Qwe
     [(text, frames, done)] = _run(
         TurnRunner(model), [TurnRequest(prompt=prompt, audio=audio, max_tokens=MAX_TOKENS, max_frames=20)]
     ).values()
-    whole: Any = model.whole
-    seen: dict[str, torch.Tensor] = {}
-    decode = whole.code2wav.chunked_decode
-
-    def keep_codes(codes: torch.Tensor, **kwargs: Any) -> Any:
-        seen["codes"] = codes.clone()
-        return decode(codes, **kwargs)
-
-    whole.code2wav.chunked_decode = keep_codes
-    try:
-        sequences, _ = whole.generate(
-            torch.tensor([prompt]),
-            input_features=features[None],
-            feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
-            speaker="ethan",
-            thinker_max_new_tokens=MAX_TOKENS,
-            thinker_eos_token_id=tok.im_end,
-            thinker_do_sample=False,
-            talker_do_sample=False,
-            talker_max_new_tokens=21,
-        )
-    finally:
-        del whole.code2wav.chunked_decode
-    assert text == sequences[0, len(prompt) :].tolist()
-    assert frames == seen["codes"][0].t().tolist()
+    mask = torch.ones(1, features.shape[1], dtype=torch.long)
+    expected_text, expected_frames, _ = _reference(
+        model, prompt, 20, input_features=features[None], feature_attention_mask=mask
+    )
+    assert text == expected_text
+    assert frames == expected_frames
     assert len(frames) < len(text)  # the voice ended first; the text went on to its end
     assert done.reason == "length"
 
@@ -289,29 +274,8 @@ def test_question_about_frames_equals_transformers_generate(model: Qwen3OmniMode
     request = TurnRequest(prompt=prompt, frames=tuple(frames), max_tokens=MAX_TOKENS, max_frames=20)
     [(text, codes, done)] = _run(TurnRunner(model), [request]).values()
     pixels = torch.cat([frame_patches(p, patch=model.patch, merge=model.merge, temporal=2) for p in pictures])
-    whole: Any = model.whole
-    seen: dict[str, torch.Tensor] = {}
-    decode = whole.code2wav.chunked_decode
-
-    def keep_codes(codes: torch.Tensor, **kwargs: Any) -> Any:
-        seen["codes"] = codes.clone()
-        return decode(codes, **kwargs)
-
-    whole.code2wav.chunked_decode = keep_codes
-    try:
-        sequences, _ = whole.generate(
-            torch.tensor([prompt]),
-            pixel_values=pixels,
-            image_grid_thw=torch.tensor([[1, 6, 10]] * 2),
-            speaker="ethan",
-            thinker_max_new_tokens=MAX_TOKENS,
-            thinker_eos_token_id=tok.im_end,
-            thinker_do_sample=False,
-            talker_do_sample=False,
-            talker_max_new_tokens=21,
-        )
-    finally:
-        del whole.code2wav.chunked_decode
-    assert text == sequences[0, len(prompt) :].tolist()
-    assert codes == seen["codes"][0].t().tolist()
+    grid = torch.tensor([[1, 6, 10]] * 2)
+    expected_text, expected_codes, _ = _reference(model, prompt, 20, pixel_values=pixels, image_grid_thw=grid)
+    assert text == expected_text
+    assert codes == expected_codes
     assert done.error is None
