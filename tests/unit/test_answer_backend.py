@@ -292,7 +292,7 @@ async def test_credit_returns_as_audio_reaches_the_outbox() -> None:
     assert handle.grants == [CREDIT_CHUNKS + 1, CREDIT_CHUNKS + 2]
 
 
-async def test_a_turn_heard_as_it_came_is_finished_with_its_rest_once() -> None:
+async def test_a_turn_heard_as_it_came_is_finished_once_with_the_whole_turn() -> None:
     engine = Engine(hears=True)
     backend, _ = await started(engine)
     assert backend.hears_turns
