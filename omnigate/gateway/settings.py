@@ -28,6 +28,9 @@ class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
     llm_model: str | None = None  # None: the request names no model (vLLM and llama.cpp serve their own)
     llm_api_key: str | None = None
     llm_max_tokens: int = 1024  # per response, below a smaller max_output_tokens of the session
+    # the embedded LLM's first answer's sampling seed, counting up by one per answer (None: random): answers that
+    # repeat from one start to the next, for tests and demos
+    llm_seed: int | None = None
     llm_first_token_timeout_s: float = 10.0
     llm_idle_timeout_s: float = 10.0  # between two streamed chunks
     llm_timeout_s: float = 120.0  # a whole reply
@@ -56,6 +59,8 @@ class ResponderSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--llm-max-tokens, --history-max-chars and --asr-max-audio must be positive")
         if self.embedded_asr_max_decoders < 1:
             raise ValueError("the embedded recognizer needs at least one decoder")
+        if self.llm_seed is not None and (self.llm_url is not None or not 0 <= self.llm_seed < 2**63):
+            raise ValueError("--llm-seed seeds the embedded LLM (not one at --llm-url), from 0 to 2**63-1")
         if self.llm_url is None and not self.embedded_llm:
             raise ValueError("the responder needs an LLM: --llm-url, or the embedded one")
         for name, url in (("--llm-url", self.llm_url), ("--asr-url", self.asr_url)):

@@ -403,6 +403,20 @@ async def test_the_chat_client_waits_a_bounded_time_for_the_model_then_answers_a
     assert finish.usage is not None and finish.usage.completion_tokens == expected.done.completion_tokens
 
 
+async def test_a_seeded_chat_samples_the_same_answers_on_every_start() -> None:
+    engine = started(tiny_model())
+    request = chat_request("tell me a story", max_tokens=24, temperature=0.9)
+    try:
+        runs = []
+        for _ in range(2):  # two starts of the server: a chat seeded alike, its answers in the same order
+            chat = EmbeddedChat(engine, load_wait_s=60.0, seed=40)
+            runs.append([(await read(chat, request))[0] for _ in range(2)])
+    finally:
+        await asyncio.to_thread(engine.stop)
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]  # each answer has its own seed: the second is drawn afresh
+
+
 async def test_a_model_that_failed_to_load_fails_each_request_typed() -> None:
     def load() -> LlmModel:
         raise OSError("no weights here")

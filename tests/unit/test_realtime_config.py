@@ -197,6 +197,10 @@ def test_what_agent_frameworks_send_is_accepted_echoed_and_listed_as_unused() ->
         },
     )
     assert session_object(cleared, "sess_1", TTS).unused_fields == []
+    # with an LLM writing the answers, the instructions, tools and temperature reach it
+    agent = msgspec.structs.replace(TTS, create_response=True, instructions=True, tools=True, temperature=True)
+    used = session_object(config, "sess_1", agent).unused_fields
+    assert not {"session.instructions", "session.tools", "session.temperature"} & set(used)
 
 
 def test_a_response_with_instructions_and_tools_is_accepted() -> None:

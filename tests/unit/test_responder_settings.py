@@ -33,6 +33,10 @@ def test_without_an_llm_url_the_embedded_llm_answers_and_a_url_wins(monkeypatch:
     assert remote is not None and (remote.llm_url, remote.embedded_llm) == ("http://127.0.0.1:8080/v1", False)
     with pytest.raises(ValueError, match="needs an LLM"):
         ResponderSettings()
+    seeded = settings_from_args(parse("--llm-seed", "7")).responder
+    assert seeded is not None and seeded.llm_seed == 7 and embedded.llm_seed is None
+    with pytest.raises(ValueError, match="llm-seed"):
+        settings_from_args(parse("--llm-seed", "-1"))
 
 
 def test_the_options_fill_the_responder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,6 +70,8 @@ def test_the_options_fill_the_responder_settings(monkeypatch: pytest.MonkeyPatch
         ("--asr-url", "http://127.0.0.1:8001/v1", "--no-embedded-agent"),  # transcripts with nobody to answer them
         ("--llm-url", "127.0.0.1:8080"),  # not a URL
         ("--llm-url", "http://127.0.0.1:8080/v1", "--llm-timeout", "0"),
+        ("--llm-url", "http://127.0.0.1:8080/v1", "--llm-seed", "3"),  # the seed is the embedded LLM's
+        ("--no-embedded-agent", "--llm-seed", "3"),
     ],
 )
 def test_options_that_cannot_work_are_refused(options: tuple[str, ...]) -> None:

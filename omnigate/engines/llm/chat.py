@@ -118,8 +118,9 @@ class EmbeddedChat:
             job.cancel()  # a barge-in or a closed session: the slot is freed at the worker's next loop
 
 
-def start_embedded_chat(*, load_wait_s: float) -> EmbeddedChat:
-    """The chat of SmolLM2-135M-Instruct, whose engine starts now and loads the model on its worker thread."""
+def start_embedded_chat(*, load_wait_s: float, seed: int | None = None) -> EmbeddedChat:
+    """The chat of SmolLM2-135M-Instruct, whose engine starts now and loads the model on its worker thread.
+    ``seed``: the first answer's sampling seed, counting up by one per answer (None: each answer's is random)."""
     engine = LlmEngine(lambda: load_smollm2(slots=DEFAULT_SESSIONS, max_context=DEFAULT_MAX_CONTEXT))
     engine.start()
-    return EmbeddedChat(engine, load_wait_s=load_wait_s)
+    return EmbeddedChat(engine, load_wait_s=load_wait_s, seed=seed)

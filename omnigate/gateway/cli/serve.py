@@ -409,6 +409,14 @@ def _add_responder_options(serve: argparse.ArgumentParser) -> None:
         "--llm-max-tokens", type=int, default=_RESPONDER.llm_max_tokens, help="tokens of one reply at most"
     )
     group.add_argument(
+        "--llm-seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the embedded LLM samples its first answer with seed N, the next with N+1, ...: the same questions get "
+        "the same answers on every start (default: random seeds)",
+    )
+    group.add_argument(
         "--llm-first-token-timeout",
         type=float,
         default=_RESPONDER.llm_first_token_timeout_s,
@@ -466,10 +474,14 @@ def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
     """The responder's settings: None without --llm-url when the embedded LLM is off (--no-embedded-agent) or not
     installed, and with the qwen3-omni engine (it answers itself). Raises ValueError for options that cannot work."""
     if args.engine == "qwen3-omni":
-        if args.llm_url is not None or args.asr_url is not None:
-            raise ValueError("--engine qwen3-omni answers /v1/realtime itself: it takes no --llm-url or --asr-url")
+        if args.llm_url is not None or args.asr_url is not None or args.llm_seed is not None:
+            raise ValueError(
+                "--engine qwen3-omni answers /v1/realtime itself: it takes no --llm-url, --asr-url or --llm-seed"
+            )
         return None
     embedded_llm = args.llm_url is None and not args.no_embedded_agent and missing_extras([("", "llm")]) is None
+    if args.llm_seed is not None and not embedded_llm:
+        raise ValueError("--llm-seed seeds the embedded LLM, which answers without --llm-url or --no-embedded-agent")
     if args.llm_url is None and not embedded_llm:
         if args.asr_url is not None:
             raise ValueError("--asr-url needs --llm-url: transcripts are answered by the LLM")
@@ -480,6 +492,7 @@ def responder_settings(args: argparse.Namespace) -> ResponderSettings | None:
         llm_model=args.llm_model,
         llm_api_key=args.llm_api_key or os.environ.get("OMNIGATE_LLM_API_KEY") or None,
         llm_max_tokens=args.llm_max_tokens,
+        llm_seed=args.llm_seed,
         llm_first_token_timeout_s=args.llm_first_token_timeout,
         llm_idle_timeout_s=args.llm_idle_timeout,
         llm_timeout_s=args.llm_timeout,

@@ -53,7 +53,7 @@ class ResponderClients:
             # Imported here: the embedded LLM's stack (torch, transformers) is imported only when it is used.
             from omnigate.engines.llm.chat import start_embedded_chat
 
-            embedded = start_embedded_chat(load_wait_s=settings.llm_first_token_timeout_s)
+            embedded = start_embedded_chat(load_wait_s=settings.llm_first_token_timeout_s, seed=settings.llm_seed)
             chat, llm = embedded, embedded.engine
         else:
             chat = ChatClient(

@@ -32,6 +32,8 @@ class RealtimeCapabilities(msgspec.Struct, frozen=True):
     audio_truncate: bool = True
     input_transcription: bool = False
     tools: bool = False
+    temperature: bool = False
+    """The session's (or a response's) ``temperature`` reaches the model that writes the answer."""
     answers_turns: bool = False
     """The engine answers the conversation itself (its items and the user's committed audio), in its own voice."""
     voice_aliases: tuple[str, ...] = ()

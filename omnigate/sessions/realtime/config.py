@@ -246,8 +246,8 @@ def unused_fields(config: RealtimeConfig, caps: RealtimeCapabilities) -> list[st
             unused.append("session.tools")
         if kept.tool_choice not in ("auto", "none"):
             unused.append("session.tool_choice")
-    if kept.temperature is not None:
-        unused.append("session.temperature")  # no served engine samples with a client temperature
+    if kept.temperature is not None and not caps.temperature:
+        unused.append("session.temperature")
     if not caps.input_transcription:
         if kept.include:
             unused.append("session.include")

@@ -248,6 +248,7 @@ class RealtimeSession:
                 caps,
                 create_response=True,
                 tools=True,
+                temperature=True,
                 input_transcription=responder.transcription,
                 output_modalities=("audio", "text"),
             )
