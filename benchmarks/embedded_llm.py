@@ -14,10 +14,17 @@ same prompts), once with the engine's prefix reuse off and once on. Reported per
 first turns and of the later ones (p50, max), prompt tokens, tokens prefilled and reused, and whether the answers of
 the two runs are the same.
 
+``--lengths N`` measures how long answers run: each of ``--prompts`` questions (what the recognizer heard of the
+talk-page test's recorded question, then the questions above) under the talk page's default instructions, answered
+with seeds 0 to N-1 at ``--temperature``, up to ``--max-tokens``: how many answers end by themselves and how many at
+the cap (a response the client sees end ``incomplete``), and which seeds those are.
+
 Commands (1 torch thread, the engine's default)::
 
     python -m benchmarks.embedded_llm --levels 1,4,8 --out docs/benchmarks/embedded_llm.json
     python -m benchmarks.embedded_llm --turns 4 --out docs/benchmarks/embedded_llm_turns.json
+    python -m benchmarks.embedded_llm --lengths 32 --prompts 8 --max-tokens 512 --levels 8 \
+        --out docs/benchmarks/embedded_llm_lengths.json
 """
 
 from __future__ import annotations
@@ -57,6 +64,15 @@ INSTRUCTIONS = (
     "something else, say politely that you can only help with bookings and questions about the restaurant. If you "
     "do not understand, ask the caller to repeat. Never invent availability: say that you will check and confirm."
 )
+# What pocketsphinx heard of the recorded question "Could you book a table for two at eight tonight?" in the talk-page
+# tests, asked under the talk page's default instructions.
+HEARD = [
+    "the book a table for today to my",
+    "you book a table for today to my",
+    "look at table for today tonight",
+    "book a table for today tonight",
+]
+VOICE_INSTRUCTIONS = "You are a friendly voice assistant. Answer in one or two short sentences."
 FOLLOW_UPS = ["Is that at the terrace?", "Can we make it four people instead?", "Do you have vegetarian dishes?"]
 
 
@@ -113,6 +129,46 @@ async def turns(engine: LlmEngine, conversations: int, count: int, max_tokens: i
     }
 
 
+async def lengths(engine: LlmEngine, prompts: int, seeds: int, max_tokens: int, temperature: float) -> dict[str, Any]:
+    """Each of ``prompts`` questions answered with ``seeds`` seeds (0, 1, ...), as many at once as the engine has
+    slots: how many answers end by themselves and how many at ``max_tokens``."""
+    slots = asyncio.Semaphore(engine.max_sessions)
+    questions = (HEARD + QUESTIONS)[:prompts]
+
+    async def answer(question: str, seed: int) -> LlmDone:
+        messages = [ChatMessage("system", VOICE_INSTRUCTIONS), ChatMessage("user", question)]
+        async with slots:
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future[LlmDone] = loop.create_future()
+
+            def sink(outputs: list[LlmOutput]) -> None:
+                for output in outputs:
+                    if isinstance(output, LlmDone) and not ended.done():
+                        ended.set_result(output)
+
+            engine.submit(LlmRequest(render_chat(messages), max_tokens, temperature, 1.0, seed=seed), sink)
+            return await ended
+
+    per_question = []
+    all_tokens: list[int] = []
+    for question in questions:
+        done = await asyncio.gather(*(answer(question, seed) for seed in range(seeds)))
+        tokens = sorted(d.completion_tokens for d in done)
+        all_tokens += tokens
+        capped = [seed for seed, d in enumerate(done) if d.reason == "length"]
+        per_question.append({"question": question, "capped_seeds": capped, "tokens_p50": tokens[len(tokens) // 2]})
+        print(f"{question!r}: {len(capped)} of {seeds} at the cap", flush=True)
+    all_tokens.sort()
+    return {
+        "temperature": temperature,
+        "answers": len(all_tokens),
+        "capped": sum(len(q["capped_seeds"]) for q in per_question),
+        "tokens_p50": all_tokens[len(all_tokens) // 2],
+        "tokens_p95": all_tokens[int(0.95 * (len(all_tokens) - 1))],
+        "questions": per_question,
+    }
+
+
 async def level(engine: LlmEngine, conversations: int, max_tokens: int) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     first: dict[int, float] = {}
@@ -166,6 +222,9 @@ async def main() -> None:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads of the worker")
     parser.add_argument("--turns", type=int, default=0, help="measure prefix reuse over conversations of N turns")
     parser.add_argument("--conversations", type=int, default=3, help="with --turns: conversations, one at a time")
+    parser.add_argument("--lengths", type=int, default=0, help="measure answer lengths over N seeds per question")
+    parser.add_argument("--prompts", type=int, default=8, help="with --lengths: questions asked")
+    parser.add_argument("--temperature", type=float, default=0.8, help="with --lengths: the sampling temperature")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.turns:
@@ -187,6 +246,8 @@ async def main() -> None:
             runs.append(await turns(engine, args.conversations, args.turns, args.max_tokens))
         report["same_answers"] = runs[0].pop("answers") == runs[1].pop("answers")
         report["turns"] = runs
+    elif args.lengths:
+        report["lengths"] = await lengths(engine, args.prompts, args.lengths, args.max_tokens, args.temperature)
     else:
         report["levels"] = [await level(engine, n, args.max_tokens) for n in levels]
     await asyncio.to_thread(engine.stop)

@@ -25,8 +25,9 @@ SILENCE_S = 45.0
 PAGE_WAIT_MS = 150_000  # for each of the page's waits: the answer is spoken whole before the page is quiet
 NODE_TIMEOUT_S = 420  # the embedded LLM loads in the background: 15 s on idle cores, a minute on busy ones
 # The answers' sampling seeds, the first answer's (over WebRTC), then counting up. Unseeded, SmolLM2-135M at the
-# default temperature talks until its 512-token cap (a response ended "incomplete") in about 1 of 20 answers to this
-# question. Seeded 0 to 10, each answer to what pocketsphinx has heard of it ended by itself.
+# default temperature talks until its 512-token cap (a response ended "incomplete") in 7 of 256 answers, 5 of 32 to
+# one of the transcripts pocketsphinx heard of this question; seeded 0 to 10, no answer to any of them reached it
+# (docs/benchmarks/embedded_llm_lengths.json).
 LLM_SEED = 1
 
 
