@@ -39,7 +39,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``omnigate serve`` with the embedded agent on (the test servers' default is off), seeded; its base URL once ready.
+    """``omnigate serve`` with the embedded agent on (off in test servers by default), seeded; its base URL once ready.
     The first response may wait for the model's load (tens of seconds on a busy machine): the session's idle
     timeout and the first-token limit are set above that."""
     port = free_port()
