@@ -21,6 +21,7 @@ from omnigate.engines.omni.request import EncoderCache, FrameInput, ThinkDone, T
 from omnigate.engines.qwen3_omni.encoder import InputEncoder
 from omnigate.engines.qwen3_omni.engine import Qwen3OmniEngine
 from omnigate.engines.qwen3_omni.model import Qwen3OmniModel, build_preset
+from omnigate.engines.qwen3_omni.serving import Qwen3OmniServing
 from omnigate.engines.qwen3_omni.video_chat import Qwen3VideoChat
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
@@ -273,3 +274,10 @@ async def test_a_turn_whose_heard_pieces_cannot_be_read_is_encoded_whole_at_its_
     tokens = await asyncio.wait_for(encoder.finish_turn(ahead, pcm), 120)
     assert encoder.stats.windows_kept == 0
     torch.testing.assert_close(tokens, alone(model, pcm, rate), **TOLERANCE)
+
+
+def test_the_audio_ahead_option_turns_hearing_ahead_off_and_a_bad_value_is_refused() -> None:
+    assert Qwen3OmniServing(Qwen3OmniEngine.load("preset:tiny")).turn_ahead() is not None  # on by default
+    assert Qwen3OmniServing(Qwen3OmniEngine.load("preset:tiny", audio_ahead="false")).turn_ahead() is None
+    with pytest.raises(ValueError, match="audio_ahead must be true or false, not 'off-ish'"):
+        Qwen3OmniEngine.load("preset:tiny", audio_ahead="off-ish")

@@ -121,7 +121,10 @@ class Qwen3OmniEngine:
         if unknown:
             raise ValueError(f"unknown qwen3-omni option(s) {', '.join(sorted(unknown))}; known: {', '.join(OPTIONS)}")
         sessions = int(options.get("max_sessions", str(DEFAULT_SLOTS)))
-        audio_ahead = msgspec.convert(options.get("audio_ahead", "true"), bool, strict=False)
+        try:  # true/false, 1/0, as the talker's options
+            audio_ahead = msgspec.convert(options.get("audio_ahead", "true"), bool, strict=False)
+        except msgspec.ValidationError:
+            raise ValueError(f"audio_ahead must be true or false, not {options['audio_ahead']!r}") from None
         model = load_model(
             spec,
             seed=int(options.get("seed", "0")),
